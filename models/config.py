@@ -1,0 +1,112 @@
+"""Configuration of a draft head and the identity of the target it was trained for.
+
+Plain frozen dataclasses that validate themselves: the config alone rebuilds a head,
+and the target identity travels with it so a head is never run against the wrong model.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+HeadType = Literal["eagle1", "eagle3"]
+HEAD_TYPES: tuple[str, ...] = ("eagle1", "eagle3")
+
+
+@dataclass(frozen=True)
+class TargetIdentity:
+    """What a head needs to know about its target to refuse the wrong one."""
+
+    name_or_path: str
+    hidden_size: int
+    vocab_size: int
+    num_hidden_layers: int
+    # sha256 over the tokenizer's (token, id) pairs; "" when unknown (foreign formats).
+    tokenizer_fingerprint: str = ""
+
+
+@dataclass(frozen=True)
+class HeadConfig:
+    """Shape of a draft head. Attention/MLP sizes default to the target's decoder layer."""
+
+    head_type: HeadType
+    hidden_size: int
+    intermediate_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    # Target vocabulary (the ids the head's proposals are expressed in).
+    vocab_size: int
+    # EAGLE-3 predicts over a reduced vocabulary mapped to target ids by d2t; EAGLE-1 uses
+    # the target's lm_head, so its draft vocab is the full vocab.
+    draft_vocab_size: int
+    # Target layers whose *inputs* are fused by the EAGLE-3 fc (hidden_states[i] in HF terms);
+    # EAGLE-1 reads the final (normed) hidden state and leaves this empty.
+    fused_layer_ids: tuple[int, ...] = ()
+    num_layers: int = 1
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    max_position_embeddings: int = 4096
+    attention_bias: bool = False
+    target: TargetIdentity | None = field(default=None, compare=False)
+
+    def __post_init__(self) -> None:
+        if self.head_type not in HEAD_TYPES:
+            raise ValueError(f"head_type {self.head_type!r} is not one of {HEAD_TYPES}")
+        if self.num_layers < 1:
+            raise ValueError(f"num_layers must be >= 1, got {self.num_layers}")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(
+                f"num_attention_heads ({self.num_attention_heads}) is not a multiple of "
+                f"num_key_value_heads ({self.num_key_value_heads})"
+            )
+        if not 0 < self.draft_vocab_size <= self.vocab_size:
+            raise ValueError(
+                f"draft_vocab_size ({self.draft_vocab_size}) must be in 1..vocab_size ({self.vocab_size})"
+            )
+        if self.head_type == "eagle1":
+            if self.draft_vocab_size != self.vocab_size:
+                raise ValueError("an eagle1 head predicts through the target's lm_head: draft_vocab_size must equal vocab_size")
+            if self.fused_layer_ids:
+                raise ValueError("an eagle1 head reads the final hidden state: fused_layer_ids must be empty")
+        elif not self.fused_layer_ids:
+            raise ValueError("an eagle3 head needs fused_layer_ids (e.g. [2, N//2, N-3])")
+        if self.target is not None:
+            for name in ("hidden_size", "vocab_size"):
+                if getattr(self.target, name) != getattr(self, name):
+                    raise ValueError(f"head {name} {getattr(self, name)} differs from its target's {getattr(self.target, name)}")
+            bad = [i for i in self.fused_layer_ids if not 0 <= i <= self.target.num_hidden_layers]
+            if bad:
+                raise ValueError(
+                    f"fused_layer_ids {bad} out of range for a {self.target.num_hidden_layers}-layer target"
+                )
+
+    @property
+    def feature_size(self) -> int:
+        """Width of the target feature the head consumes before fusion: [.., feature_size]."""
+        return self.hidden_size * max(1, len(self.fused_layer_ids))
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["fused_layer_ids"] = list(self.fused_layer_ids)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "HeadConfig":
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise ValueError(f"unknown head config keys {unknown}; valid keys: {sorted(known)}")
+        d = dict(d)
+        d["fused_layer_ids"] = tuple(d.get("fused_layer_ids", ()))
+        if d.get("target") is not None and not isinstance(d["target"], TargetIdentity):
+            d["target"] = TargetIdentity(**d["target"])
+        return cls(**d)
+
+
+def default_fused_layer_ids(num_hidden_layers: int) -> tuple[int, ...]:
+    """EAGLE-3's low/mid/high features: the inputs of layers 2, N//2 and N-3."""
+    n = num_hidden_layers
+    ids = (min(2, n - 1), n // 2, max(n - 3, 0))
+    return tuple(sorted(set(ids)))

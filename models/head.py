@@ -1,0 +1,123 @@
+"""EAGLE draft heads: one class, two wirings.
+
+eagle1  hidden = layers(fc([emb(tok); feature]))          logits = target.lm_head(hidden)
+eagle3  x = fc([low; mid; high])  (step 0; later steps feed back the head's own hidden)
+        hidden = layers(x, emb(tok))                     logits = lm_head(norm(hidden)) over the
+                                                          draft vocab, mapped to target ids by d2t
+
+The token embedding (and for eagle1 the lm_head) belong to the frozen target: the head only
+borrows them, so they are not parameters of the head and never enter its state dict.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from .config import HeadConfig
+from .layers import DecoderLayer, HeadCache, RMSNorm, Rotary
+from .masks import additive_mask
+
+
+@dataclass
+class HeadOutput:
+    logits: torch.Tensor  # [B, T, draft_vocab_size]
+    hidden: torch.Tensor  # [B, T, H], fed back as the next step's feature
+
+
+class DraftHead(nn.Module):
+    def __init__(self, config: HeadConfig, embed_tokens: nn.Module, lm_head: nn.Module | None = None) -> None:
+        super().__init__()
+        c = config
+        self.config = c
+        eagle3 = c.head_type == "eagle3"
+        if not eagle3 and lm_head is None:
+            raise ValueError("an eagle1 head needs the target's lm_head")
+        # Borrowed, frozen target modules: kept in a plain dict so nn.Module does not register them.
+        self.shared = {"embed_tokens": embed_tokens, "lm_head": lm_head}
+        h = c.hidden_size
+        if eagle3:
+            self.fc = nn.Linear(c.feature_size, h, bias=False)
+        else:
+            self.fc = nn.Linear(2 * h, h, bias=True)
+        self.layers = nn.ModuleList(
+            DecoderLayer(c, fuse_embedding=eagle3 and i == 0, input_norm=eagle3 or i > 0) for i in range(c.num_layers)
+        )
+        self.rotary = Rotary(c.head_dim, c.rope_theta)
+        if eagle3:
+            self.norm = RMSNorm(h, c.rms_norm_eps)
+            self.lm_head = nn.Linear(h, c.draft_vocab_size, bias=False)
+            # SGLang/speculators convention: target_id = draft_id + d2t[draft_id]; t2d marks target
+            # ids that exist in the draft vocab. Identity maps until a vocab map is installed.
+            self.register_buffer("d2t", torch.zeros(c.draft_vocab_size, dtype=torch.long))
+            t2d = torch.zeros(c.vocab_size, dtype=torch.bool)
+            t2d[: c.draft_vocab_size] = True
+            self.register_buffer("t2d", t2d)
+
+    # ---- vocab maps -------------------------------------------------------------------------
+    def set_vocab_map(self, draft_to_target: torch.Tensor) -> None:
+        """Install the draft vocabulary: draft id i stands for target id draft_to_target[i]."""
+        if self.config.head_type != "eagle3":
+            raise ValueError("only eagle3 heads have a reduced draft vocabulary")
+        ids = draft_to_target.to(self.d2t.device, torch.long)
+        if ids.shape != self.d2t.shape:
+            raise ValueError(f"vocab map has {ids.numel()} ids, head draft_vocab_size is {self.d2t.numel()}")
+        if ids.unique().numel() != ids.numel() or ids.min() < 0 or ids.max() >= self.config.vocab_size:
+            raise ValueError("vocab map must hold distinct target ids in range")
+        self.d2t.copy_(ids - torch.arange(ids.numel(), device=ids.device))
+        self.t2d.zero_()
+        self.t2d[ids] = True
+
+    def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        if self.config.head_type != "eagle3":
+            return draft_ids
+        return draft_ids + self.d2t[draft_ids]
+
+    @property
+    def draft_to_target(self) -> torch.Tensor:
+        """[draft_vocab_size] target id of each draft id."""
+        return self.to_target_ids(torch.arange(self.config.draft_vocab_size, device=self.fc.weight.device))
+
+    # ---- forward ----------------------------------------------------------------------------
+    def fuse(self, target_features: torch.Tensor) -> torch.Tensor:
+        """Target features [B, T, feature_size] -> the head's step-0 hidden input [B, T, H]."""
+        if self.config.head_type == "eagle3":
+            return self.fc(target_features.to(self.fc.weight.dtype))
+        return target_features.to(self.fc.weight.dtype)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        hidden: torch.Tensor,
+        position_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        cache: HeadCache | None = None,
+    ) -> HeadOutput:
+        """One draft step.
+
+        input_ids [B, T]: the token at each position (the token *after* the position whose
+        feature is in `hidden`, as in EAGLE); hidden [B, T, H] from `fuse` or a previous step;
+        position_ids [B, T]; attention_mask [B, T, len(cache)+T] bool (True = may attend), or None for
+        causal attention within this block (only valid with an empty cache); cache is extended in place.
+        """
+        dtype = self.fc.weight.dtype
+        emb = self.shared["embed_tokens"](input_ids).to(dtype)
+        x = hidden.to(dtype)
+        if self.config.head_type == "eagle1":
+            x = self.fc(torch.cat([emb, x], dim=-1))
+        if attention_mask is None and cache is not None and len(cache) > 0:
+            raise ValueError("attention_mask is required when the head cache is not empty")
+        mask = None if attention_mask is None else additive_mask(attention_mask, dtype)
+        rope = self.rotary(position_ids, dtype)
+        for i, layer in enumerate(self.layers):
+            x = layer(x, rope, mask, cache, i, emb=emb if i == 0 else None)
+        if self.config.head_type == "eagle3":
+            logits = self.lm_head(self.norm(x))
+        else:
+            logits = self.shared["lm_head"](x.to(self.shared["lm_head"].weight.dtype))
+        return HeadOutput(logits=logits, hidden=x)
+
+    def new_cache(self) -> HeadCache:
+        return HeadCache(self.config.num_layers)

@@ -1,0 +1,160 @@
+"""The draft head's decoder layer: Llama-style RMSNorm, RoPE, GQA attention and SwiGLU MLP.
+
+Written out (not borrowed from a transformers model class) because the EAGLE-3 first layer
+attends over [norm(embedding); norm(hidden)] of width 2H, and because drafting needs
+explicit 4D masks and a KV cache that can be trimmed to arbitrary positions.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .config import HeadConfig
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+class Rotary(nn.Module):
+    """RoPE evaluated at explicit position ids (tree nodes share depths, not indices)."""
+
+    def __init__(self, head_dim: int, theta: float) -> None:
+        super().__init__()
+        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+    def forward(self, position_ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        # position_ids [B, T] -> cos, sin [B, 1, T, head_dim]
+        freqs = position_ids[..., None].float() * self.inv_freq
+        emb = torch.cat((freqs, freqs), dim=-1)[:, None]
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+class HeadCache:
+    """Per-layer key/value tensors of the draft head, [B, kv_heads, L, head_dim] each."""
+
+    def __init__(self, num_layers: int) -> None:
+        self.keys: list[torch.Tensor | None] = [None] * num_layers
+        self.values: list[torch.Tensor | None] = [None] * num_layers
+
+    def __len__(self) -> int:
+        return 0 if self.keys[0] is None else self.keys[0].shape[2]
+
+    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.keys[layer] is not None:
+            k = torch.cat([self.keys[layer], k], dim=2)
+            v = torch.cat([self.values[layer], v], dim=2)
+        self.keys[layer], self.values[layer] = k, v
+        return k, v
+
+    def crop(self, length: int) -> None:
+        """Drop everything past the first `length` positions (e.g. the last draft tree)."""
+        for i, k in enumerate(self.keys):
+            if k is not None:
+                self.keys[i] = k[:, :, :length]
+                self.values[i] = self.values[i][:, :, :length]
+
+    def keep(self, index: torch.Tensor) -> None:
+        """Keep positions `index` [B, L'] (per row, in order); everything else is dropped."""
+        for i, k in enumerate(self.keys):
+            if k is not None:
+                idx = index[:, None, :, None].expand(-1, k.shape[1], -1, k.shape[3])
+                self.keys[i] = k.gather(2, idx)
+                self.values[i] = self.values[i].gather(2, idx)
+
+
+class Attention(nn.Module):
+    def __init__(self, config: HeadConfig, in_size: int) -> None:
+        super().__init__()
+        c = config
+        self.num_heads, self.num_kv_heads, self.head_dim = c.num_attention_heads, c.num_key_value_heads, c.head_dim
+        self.q_proj = nn.Linear(in_size, c.num_attention_heads * c.head_dim, bias=c.attention_bias)
+        self.k_proj = nn.Linear(in_size, c.num_key_value_heads * c.head_dim, bias=c.attention_bias)
+        self.v_proj = nn.Linear(in_size, c.num_key_value_heads * c.head_dim, bias=c.attention_bias)
+        self.o_proj = nn.Linear(c.num_attention_heads * c.head_dim, c.hidden_size, bias=False)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        mask: torch.Tensor | None,
+        cache: HeadCache | None,
+        layer_idx: int,
+    ) -> torch.Tensor:
+        b, t, _ = x.shape
+        q = self.q_proj(x).view(b, t, self.num_heads, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        cos, sin = rope
+        q, k = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+        if cache is not None:
+            k, v = cache.update(layer_idx, k, v)
+        rep = self.num_heads // self.num_kv_heads
+        if rep > 1:
+            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+        # mask [B, 1, T, S] additive (0 / -inf); None means plain causal over a cache-free block.
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None and t > 1)
+        return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, config: HeadConfig) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    """One pre-norm decoder layer.
+
+    `fuse_embedding` (EAGLE-3, first layer): attention reads [input_layernorm(emb); hidden_norm(x)]
+    and the residual is x. `input_norm=False` (EAGLE-1, first layer) skips the input norm because
+    the fc output it receives is not a residual stream, as in the EAGLE-1 reference.
+    """
+
+    def __init__(self, config: HeadConfig, fuse_embedding: bool = False, input_norm: bool = True) -> None:
+        super().__init__()
+        h = config.hidden_size
+        self.fuse_embedding = fuse_embedding
+        self.self_attn = Attention(config, 2 * h if fuse_embedding else h)
+        self.input_layernorm = RMSNorm(h, config.rms_norm_eps) if (input_norm or fuse_embedding) else None
+        self.hidden_norm = RMSNorm(h, config.rms_norm_eps) if fuse_embedding else None
+        self.post_attention_layernorm = RMSNorm(h, config.rms_norm_eps)
+        self.mlp = MLP(config)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        mask: torch.Tensor | None,
+        cache: HeadCache | None,
+        layer_idx: int,
+        emb: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        if self.fuse_embedding:
+            attn_in = torch.cat([self.input_layernorm(emb), self.hidden_norm(x)], dim=-1)
+        else:
+            attn_in = self.input_layernorm(x) if self.input_layernorm is not None else x
+        x = x + self.self_attn(attn_in, rope, mask, cache, layer_idx)
+        return x + self.mlp(self.post_attention_layernorm(x))

@@ -1,0 +1,95 @@
+import pytest
+import torch
+
+from eyas.models.masks import causal_allowed
+from tiny import FIXTURES, tiny_target
+
+
+def tree_allowed(parents: list[int], past: int) -> torch.Tensor:
+    """[1, n, past+n]: node i sees the whole prefix, itself and its ancestors."""
+    n = len(parents)
+    allowed = torch.zeros(n, past + n, dtype=torch.bool)
+    allowed[:, :past] = True
+    for i in range(n):
+        j = i
+        while j >= 0:
+            allowed[i, past + j] = True
+            j = parents[j]
+    return allowed[None]
+
+
+def path(parents: list[int], i: int) -> list[int]:
+    out = []
+    while i >= 0:
+        out.append(i)
+        i = parents[i]
+    return out[::-1]
+
+
+PARENTS = [-1, 0, 0, 1, 1, 2, 3, -1]  # two roots, depths up to 3
+DEPTH = [len(path(PARENTS, i)) - 1 for i in range(len(PARENTS))]
+
+
+@pytest.mark.parametrize("arch,tied", FIXTURES)
+def test_features_match_plain_forward(arch, tied):
+    target = tiny_target(arch, tied)
+    ids = torch.randint(4, 300, (2, 11))
+    ref = target.model(ids, output_hidden_states=True)
+    layer_ids = (1, 2, target.num_layers)
+    out = target(ids, layer_ids=layer_ids)
+    expected = torch.cat([ref.hidden_states[i] for i in layer_ids], dim=-1)
+    torch.testing.assert_close(out.features, expected, rtol=0, atol=0)
+    torch.testing.assert_close(out.hidden, ref.hidden_states[-1], rtol=0, atol=0)
+    torch.testing.assert_close(out.logits, ref.logits, rtol=1e-6, atol=1e-6)
+
+
+def _tree_logits(target, prefix, nodes, allowed):
+    cache = target.new_cache()
+    target(prefix, cache=cache)
+    pos = prefix.shape[1] + torch.tensor(DEPTH)[None]
+    return target(nodes, position_ids=pos, attention_mask=allowed, cache=cache).logits[0], cache
+
+
+@pytest.mark.parametrize("arch,tied", FIXTURES)
+def test_tree_forward_equals_each_path_alone(arch, tied):
+    target = tiny_target(arch, tied)
+    prefix = torch.randint(4, 300, (1, 9))
+    nodes = torch.randint(4, 300, (1, len(PARENTS)))
+    logits, cache = _tree_logits(target, prefix, nodes, tree_allowed(PARENTS, prefix.shape[1]))
+    for i in range(len(PARENTS)):
+        seq = torch.cat([prefix, nodes[:, path(PARENTS, i)]], dim=1)
+        alone = target(seq).logits[0, -1]
+        torch.testing.assert_close(logits[i], alone, rtol=1e-5, atol=1e-5)
+
+    # Keeping prefix + one accepted path leaves a cache equal to running that path alone.
+    accepted = path(PARENTS, 6)
+    keep = torch.tensor([list(range(prefix.shape[1])) + [prefix.shape[1] + j for j in accepted]])
+    target.keep_cache(cache, keep)
+    assert cache.get_seq_length() == keep.shape[1]
+    nxt = torch.randint(4, 300, (1, 1))
+    cont = target(nxt, cache=cache).logits[0, -1]
+    seq = torch.cat([prefix, nodes[:, accepted], nxt], dim=1)
+    torch.testing.assert_close(cont, target(seq).logits[0, -1], rtol=1e-5, atol=1e-5)
+
+
+def test_causal_mask_in_place_of_tree_mask_fails():
+    target = tiny_target("llama")
+    prefix = torch.randint(4, 300, (1, 9))
+    nodes = torch.randint(4, 300, (1, len(PARENTS)))
+    logits, _ = _tree_logits(target, prefix, nodes, causal_allowed(1, len(PARENTS), prefix.shape[1]))
+    mismatched = 0
+    for i in range(len(PARENTS)):
+        seq = torch.cat([prefix, nodes[:, path(PARENTS, i)]], dim=1)
+        mismatched += not torch.allclose(logits[i], target(seq).logits[0, -1], rtol=1e-5, atol=1e-5)
+    assert mismatched > 0
+
+
+def test_tree_mask_shape_is_checked():
+    target = tiny_target("llama")
+    with pytest.raises(ValueError, match="tree mask"):
+        target(torch.ones(1, 3, dtype=torch.long), attention_mask=torch.ones(1, 3, 5, dtype=torch.bool))
+
+
+def test_target_is_frozen():
+    target = tiny_target("qwen2", True)
+    assert not any(p.requires_grad for p in target.parameters())
