@@ -1,9 +1,20 @@
-"""Draft heads, the frozen-target adapter and the head format."""
+"""Draft heads, the frozen-target adapter and the head format.
 
-from .config import HeadConfig, TargetIdentity, default_fused_layer_ids
-from .head import DraftHead, HeadOutput
-from .layers import HeadCache
-from .target import Target, TargetOutput
+Names resolve lazily so that `eyas --help` (which imports eyas.models.cli) does not load torch.
+"""
 
-__all__ = ["DraftHead", "HeadCache", "HeadConfig", "HeadOutput", "Target", "TargetIdentity", "TargetOutput",
-           "default_fused_layer_ids"]
+import importlib
+
+_EXPORTS = {
+    "HeadConfig": "config", "TargetIdentity": "config", "default_fused_layer_ids": "config",
+    "DraftHead": "head", "HeadOutput": "head", "HeadCache": "layers",
+    "Target": "target", "TargetOutput": "target", "head_config_for": "head_config",
+    "save_head": "head_format", "load_head": "head_format", "HeadTargetMismatch": "head_format",
+}
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f".{_EXPORTS[name]}", __name__), name)

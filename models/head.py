@@ -19,6 +19,7 @@ from torch import nn
 from .config import HeadConfig
 from .layers import DecoderLayer, HeadCache, RMSNorm, Rotary
 from .masks import additive_mask
+from .target import Target
 
 
 @dataclass
@@ -28,15 +29,15 @@ class HeadOutput:
 
 
 class DraftHead(nn.Module):
-    def __init__(self, config: HeadConfig, embed_tokens: nn.Module, lm_head: nn.Module | None = None) -> None:
+    def __init__(self, config: HeadConfig, target: Target | None = None) -> None:
         super().__init__()
         c = config
         self.config = c
         eagle3 = c.head_type == "eagle3"
-        if not eagle3 and lm_head is None:
-            raise ValueError("an eagle1 head needs the target's lm_head")
         # Borrowed, frozen target modules: kept in a plain dict so nn.Module does not register them.
-        self.shared = {"embed_tokens": embed_tokens, "lm_head": lm_head}
+        self.shared: dict[str, nn.Module | None] = {"embed_tokens": None, "lm_head": None}
+        if target is not None:
+            self.bind(target)
         h = c.hidden_size
         if eagle3:
             self.fc = nn.Linear(c.feature_size, h, bias=False)
@@ -55,6 +56,25 @@ class DraftHead(nn.Module):
             t2d = torch.zeros(c.vocab_size, dtype=torch.bool)
             t2d[: c.draft_vocab_size] = True
             self.register_buffer("t2d", t2d)
+
+    def bind(self, target: Target) -> None:
+        """Borrow the target's embedding (and, for eagle1, its lm_head) after checking it fits."""
+        from .head_format import check_head_matches
+
+        check_head_matches(self.config, target)
+        self.shared["embed_tokens"] = target.embed_tokens
+        self.shared["lm_head"] = target.lm_head
+
+    @classmethod
+    def from_pretrained(cls, folder: str, target: Target | None = None, **kw) -> "DraftHead":
+        from .head_format import load_head
+
+        return load_head(folder, target, **kw)
+
+    def save_pretrained(self, folder: str) -> None:
+        from .head_format import save_head
+
+        save_head(self, folder)
 
     # ---- vocab maps -------------------------------------------------------------------------
     def set_vocab_map(self, draft_to_target: torch.Tensor) -> None:
@@ -102,6 +122,8 @@ class DraftHead(nn.Module):
         position_ids [B, T]; attention_mask [B, T, len(cache)+T] bool (True = may attend), or None for
         causal attention within this block (only valid with an empty cache); cache is extended in place.
         """
+        if self.shared["embed_tokens"] is None:
+            raise RuntimeError("the head is not bound to a target: call head.bind(target) first")
         dtype = self.fc.weight.dtype
         emb = self.shared["embed_tokens"](input_ids).to(dtype)
         x = hidden.to(dtype)
