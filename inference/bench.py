@@ -1,0 +1,295 @@
+"""`eyas bench`: a head against plain transformers `generate`, question by question, in one process.
+
+Both sides get the same prompt ids, dtype, threads, max_new_tokens, eos ids and sampling
+settings. Runs are interleaved per question (alternating which goes first) after one short
+warm-up each, so drift in machine speed hits both alike. What is measured, and how it is
+summarised, lives in `bench_report.py`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import time
+from dataclasses import asdict, dataclass, is_dataclass
+from importlib import metadata
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import torch
+from tqdm.auto import tqdm
+
+from eyas.models import DraftHead, Target
+from eyas.models.atomic import atomic_file
+
+from .bench_report import format_table, summarize, write_plot
+
+WARMUP_TOKENS = 8
+
+
+@dataclass(frozen=True)
+class Question:
+    question_id: str | int
+    category: str
+    prompt: str  # the first turn (chat) or the raw prompt (HumanEval-style)
+    chat: bool  # True: render through the target's chat template with add_generation_prompt
+
+
+def load_questions(path: str | os.PathLike, limit: int | None = None) -> list[Question]:
+    """MT-bench / Spec-Bench rows (`question_id`, `category`, `turns`) or HumanEval-style rows (`prompt`).
+
+    Only the first turn of a multi-turn question is used. Raises ValueError naming the line.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"questions file {path} does not exist")
+    questions: list[Question] = []
+    with path.open(encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            where = f"{path}:{lineno}"
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{where}: not valid JSON ({e.msg})") from e
+            questions.append(_question(row, where, len(questions)))
+            if limit is not None and len(questions) >= limit:
+                break
+    if not questions:
+        raise ValueError(f"questions file {path} has no questions")
+    return questions
+
+
+def _question(row: Any, where: str, index: int) -> Question:
+    if not isinstance(row, dict):
+        raise ValueError(f"{where}: expected a JSON object, got {type(row).__name__}")
+    qid = row.get("question_id", row.get("task_id", index))
+    category = row.get("category", "all")
+    if not isinstance(category, str) or not category:
+        raise ValueError(f"{where}: `category` must be a non-empty string, got {category!r}")
+    if "turns" in row:
+        turns = row["turns"]
+        if not isinstance(turns, list) or not turns or not isinstance(turns[0], str) or not turns[0]:
+            raise ValueError(f"{where}: `turns` must be a non-empty list of strings")
+        return Question(qid, category, turns[0], chat=True)
+    if "prompt" in row:
+        if not isinstance(row["prompt"], str) or not row["prompt"]:
+            raise ValueError(f"{where}: `prompt` must be a non-empty string")
+        return Question(qid, category, row["prompt"], chat=False)
+    raise ValueError(f"{where}: a question needs `turns` (MT-bench / Spec-Bench) or `prompt` (HumanEval-style); "
+                     f"got keys {sorted(row)}")
+
+
+def prompt_ids(target: Target, question: Question) -> list[int]:
+    tok = target.tokenizer
+    if not question.chat:
+        return list(tok(question.prompt)["input_ids"])
+    if tok.chat_template is None:
+        raise ValueError(f"target {target.name_or_path} has no chat template; use `prompt` rows for raw prompts")
+    enc = tok.apply_chat_template([{"role": "user", "content": question.prompt}], add_generation_prompt=True,
+                                  tokenize=True)
+    return list(enc["input_ids"])
+
+
+def eos_ids(target: Target) -> list[int]:
+    """Union of the generation config's and the tokenizer's eos ids: both sides stop on the same set."""
+    ids = target.model.generation_config.eos_token_id
+    ids = set([ids] if isinstance(ids, int) else ids or [])
+    if target.tokenizer.eos_token_id is not None:
+        ids.add(target.tokenizer.eos_token_id)
+    return sorted(ids)
+
+
+def run_bench(
+    target: str | Target,
+    head: str | os.PathLike | DraftHead,
+    questions: str | os.PathLike | Sequence[Question],
+    *,
+    max_new_tokens: int = 256,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    top_k: int = 0,
+    dtype: str = "fp32",
+    threads: int | None = None,
+    limit: int | None = None,
+    prompt_lookup: int | None = None,
+    seed: int = 0,
+    out: str | os.PathLike | None = None,
+    progress: bool = True,
+    **tree_options: Any,
+) -> dict[str, Any]:
+    """Benchmark `head` on `target` over `questions`; returns the report (see bench_report.summarize).
+
+    prompt_lookup: if set, also run transformers prompt-lookup decoding with that many
+    candidate tokens. out: if set, write the report there atomically and a PNG beside it.
+    tree_options go to SpeculativeGenerator.from_pretrained (kind, depth, top_k, total_tokens, paths).
+    """
+    if threads is not None:
+        torch.set_num_threads(threads)
+    if not isinstance(questions, (str, os.PathLike)):
+        questions = list(questions)[:limit]
+    else:
+        questions = load_questions(questions, limit)
+    target, gen, options = load_generator(target, head, dtype, tree_options)
+    eos = eos_ids(target)
+    sampling = temperature > 0
+    base_config = _generation_config(target, max_new_tokens, temperature, top_p, top_k, eos)
+    pl_config = _generation_config(target, max_new_tokens, temperature, top_p, top_k, eos,
+                                   prompt_lookup_num_tokens=prompt_lookup) if prompt_lookup else None
+    sync = torch.cuda.synchronize if target.device.type == "cuda" else (lambda: None)
+
+    def plain(ids: list[int], config, seed_: int) -> tuple[list[int], float]:
+        torch.manual_seed(seed_)
+        x = torch.tensor([ids], device=target.device)
+        sync()
+        t0 = time.perf_counter()
+        y = target.model.generate(input_ids=x, attention_mask=torch.ones_like(x), generation_config=config)
+        sync()
+        return y[0, len(ids):].tolist(), time.perf_counter() - t0
+
+    def spec(ids: list[int], n: int, seed_: int):
+        sync()
+        t0 = time.perf_counter()
+        res = gen.generate(ids, max_new_tokens=n, temperature=temperature, top_p=top_p, top_k=top_k,
+                           eos_token_id=eos, seed=seed_)
+        sync()
+        return res, time.perf_counter() - t0
+
+    # One short warm-up each: first-call costs (allocations, kernel selection) stay out of the numbers.
+    warm = prompt_ids(target, questions[0])
+    plain(warm, _generation_config(target, WARMUP_TOKENS, temperature, top_p, top_k, eos), seed)
+    spec(warm, WARMUP_TOKENS, seed)
+    if pl_config is not None:
+        plain(warm, _generation_config(target, WARMUP_TOKENS, temperature, top_p, top_k, eos,
+                                       prompt_lookup_num_tokens=prompt_lookup), seed)
+
+    rows = []
+    bar = tqdm(questions, desc="bench", unit="q", disable=not progress)
+    for i, q in enumerate(bar):
+        ids = prompt_ids(target, q)
+        seed_i = seed + i
+        runs: dict[str, Callable[[], Any]] = {"baseline": lambda: plain(ids, base_config, seed_i),
+                                              "spec": lambda: spec(ids, max_new_tokens, seed_i)}
+        if pl_config is not None:
+            runs["prompt_lookup"] = lambda: plain(ids, pl_config, seed_i)
+        order = list(runs) if i % 2 == 0 else list(reversed(runs))  # alternate who runs first
+        done = {name: runs[name]() for name in order}
+        rows.append(_row(q, ids, done, sampling))
+        bar.set_postfix_str(_running(rows))
+
+    report = {"settings": settings(target, head, options, dtype=dtype, max_new_tokens=max_new_tokens,
+                                   temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
+                                   prompt_lookup=prompt_lookup, eos_token_ids=eos, questions=len(rows)),
+              **summarize(rows, sampling=sampling, depth=getattr(options, "depth", None))}
+    if out is not None:
+        write_report(report, out)
+    return report
+
+
+def load_generator(target: str | Target, head: str | os.PathLike | DraftHead, dtype: str,
+                   tree_options: dict[str, Any]):
+    """(Target, SpeculativeGenerator, TreeOptions): one Target in `dtype` shared by both sides."""
+    from eyas.inference import SpeculativeGenerator, TreeOptions
+    from eyas.models import load_head
+
+    if isinstance(target, str):
+        target = Target.load(target, dtype=dtype)
+    if not isinstance(head, DraftHead):
+        head = load_head(head, target, dtype=dtype)
+    options = TreeOptions(**tree_options)
+    return target, SpeculativeGenerator.from_pretrained(target, head, dtype=dtype, **tree_options), options
+
+
+def _generation_config(target: Target, max_new_tokens: int, temperature: float, top_p: float, top_k: int,
+                       eos: list[int], **extra):
+    """A fresh GenerationConfig: the model's own defaults (sampling, repetition penalty) must not leak in."""
+    from transformers import GenerationConfig
+
+    pad = target.tokenizer.pad_token_id
+    sample = dict(do_sample=True, temperature=temperature, top_p=top_p, top_k=top_k) if temperature > 0 \
+        else dict(do_sample=False)
+    return GenerationConfig(max_new_tokens=max_new_tokens, eos_token_id=eos,
+                            pad_token_id=pad if pad is not None else eos[0], **sample, **extra)
+
+
+def _row(q: Question, ids: list[int], done: dict[str, Any], sampling: bool) -> dict[str, Any]:
+    base_tokens, base_time = done["baseline"]
+    res, spec_time = done["spec"]
+    stats = res.stats
+    row = {
+        "question_id": q.question_id, "category": q.category, "prompt_tokens": len(ids),
+        "baseline_tokens": len(base_tokens), "baseline_time_s": base_time,
+        "spec_tokens": len(res.tokens), "spec_time_s": spec_time,
+        "draft_time_s": stats.draft_time_s, "target_time_s": stats.target_time_s,
+        "engine_time_s": stats.total_time_s, "prefill_time_s": stats.prefill_time_s,
+        "cycles": len(stats.accepted),
+        "tau": sum(stats.accepted) / len(stats.accepted) if stats.accepted else 0.0,
+        "accepted": list(stats.accepted),
+        "exact": None if sampling else list(res.tokens) == base_tokens,
+    }
+    if "prompt_lookup" in done:
+        pl_tokens, pl_time = done["prompt_lookup"]
+        row.update(prompt_lookup_tokens=len(pl_tokens), prompt_lookup_time_s=pl_time)
+    return row
+
+
+def _running(rows: list[dict[str, Any]]) -> str:
+    base = sum(r["baseline_tokens"] for r in rows) / max(sum(r["baseline_time_s"] for r in rows), 1e-9)
+    spec = sum(r["spec_tokens"] for r in rows) / max(sum(r["spec_time_s"] for r in rows), 1e-9)
+    cycles = sum(r["cycles"] for r in rows)
+    tau = sum(sum(r["accepted"]) for r in rows) / max(cycles, 1)
+    return f"tau {tau:.2f} speedup {spec / max(base, 1e-9):.2f}x"
+
+
+def settings(target: Target, head: Any, options: Any, **run: Any) -> dict[str, Any]:
+    return {
+        "target": target.name_or_path,
+        "head": str(head) if not isinstance(head, DraftHead) else f"<in-memory {head.config.head_type} head>",
+        "tree": asdict(options) if is_dataclass(options) else dict(vars(options)),
+        **run,
+        "threads": torch.get_num_threads(),
+        "device": str(target.device),
+        "versions": {name: _version(name) for name in ("eyas", "torch", "transformers")},
+        "machine": machine(),
+    }
+
+
+def _version(dist: str) -> str | None:
+    try:
+        return metadata.version(dist)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def machine() -> dict[str, Any]:
+    info: dict[str, Any] = {"cpu": _cpu_model(), "cores": os.cpu_count(), "platform": platform.platform(),
+                            "python": platform.python_version()}
+    if torch.cuda.is_available():
+        info["gpu"] = torch.cuda.get_device_name()
+    return info
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def write_report(report: dict[str, Any], out: str | os.PathLike) -> tuple[Path, Path]:
+    """report.json (atomic) and report.png beside it; returns both paths."""
+    out = Path(out)
+    with atomic_file(out) as f:
+        json.dump(report, f, indent=2)
+        f.write("\n")
+    plot = out.with_suffix(".png")
+    write_plot(report, plot)
+    return out, plot
+
+
+__all__ = ["Question", "load_questions", "run_bench", "write_report", "format_table"]

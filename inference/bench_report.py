@@ -1,0 +1,150 @@
+"""What `eyas bench` reports, from its per-question rows: the summary, the table and the plot.
+
+Every summary is recomputed from the rows alone, so a report.json can be re-summarised or
+merged later. Conventions:
+- tau: tokens gained per target verify forward (accepted drafts + the bonus token), pooled
+  over all cycles of all questions.
+- accept_rate_per_position[k]: among cycles that accepted at least k drafts, the fraction
+  that accepted at least k+1 (None where no cycle reached position k).
+- speedup: baseline time / eyas time over the same questions. When both produced the same
+  number of tokens for every question (greedy) that is a ratio of times for the same tokens
+  (`speedup_basis: "time"`); otherwise (sampling, or a mismatch) it is the ratio of tokens/s
+  (`speedup_basis: "tokens_per_s"`).
+- prompt_lookup_speedup: the prompt-lookup baseline's own speedup over plain generate, on
+  the same basis, so it compares directly with `speedup`.
+- engine_overhead_fraction: (total - draft - target) / total, eyas's own wall time.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import defaultdict
+from typing import Any, Sequence
+
+from eyas.models.atomic import atomic_file
+
+
+def summarize(rows: Sequence[dict[str, Any]], sampling: bool, depth: int | None = None) -> dict[str, Any]:
+    """{"overall": {...}, "per_category": {category: {...}}, "questions": rows}."""
+    by_category: dict[str, list[dict[str, Any]]] = defaultdict(list)
+    for r in rows:
+        by_category[r["category"]].append(r)
+    positions = max([depth or 0] + [a - 1 for r in rows for a in r["accepted"]])
+    return {
+        "overall": _summary(rows, sampling, positions),
+        "per_category": {c: _summary(rs, sampling, positions) for c, rs in by_category.items()},
+        "questions": list(rows),
+    }
+
+
+def _summary(rows: Sequence[dict[str, Any]], sampling: bool, positions: int) -> dict[str, Any]:
+    accepted = [a for r in rows for a in r["accepted"]]
+    base_tokens, base_time = _total(rows, "baseline_tokens"), _total(rows, "baseline_time_s")
+    spec_tokens, spec_time = _total(rows, "spec_tokens"), _total(rows, "spec_time_s")
+    engine_time = _total(rows, "engine_time_s")
+    draft_time, target_time = _total(rows, "draft_time_s"), _total(rows, "target_time_s")
+    same_length = all(r["baseline_tokens"] == r["spec_tokens"] for r in rows)
+    s: dict[str, Any] = {
+        "questions": len(rows),
+        "tau": sum(accepted) / len(accepted) if accepted else 0.0,
+        "accept_rate_per_position": accept_rate_per_position(accepted, positions),
+        "baseline_tokens": base_tokens, "spec_tokens": spec_tokens,
+        "baseline_time_s": base_time, "spec_time_s": spec_time,
+        "baseline_tokens_per_s": _ratio(base_tokens, base_time),
+        "spec_tokens_per_s": _ratio(spec_tokens, spec_time),
+        "speedup": _speedup(base_tokens, base_time, spec_tokens, spec_time, same_length),
+        "speedup_basis": "time" if same_length else "tokens_per_s",
+        "draft_time_fraction": _ratio(draft_time, engine_time),
+        "target_time_fraction": _ratio(target_time, engine_time),
+        "engine_overhead_fraction": _ratio(engine_time - draft_time - target_time, engine_time),
+        "exact_match_fraction": None if sampling else sum(bool(r["exact"]) for r in rows) / len(rows),
+    }
+    if all("prompt_lookup_time_s" in r for r in rows):
+        pl_tokens, pl_time = _total(rows, "prompt_lookup_tokens"), _total(rows, "prompt_lookup_time_s")
+        pl_same = all(r["baseline_tokens"] == r["prompt_lookup_tokens"] for r in rows)
+        s["prompt_lookup_tokens_per_s"] = _ratio(pl_tokens, pl_time)
+        s["prompt_lookup_speedup"] = _speedup(base_tokens, base_time, pl_tokens, pl_time, pl_same)
+    return s
+
+
+def accept_rate_per_position(accepted: Sequence[int], positions: int) -> list[float | None]:
+    """accepted: tokens gained per cycle (drafts + 1 bonus). Entry k: P(>= k+1 drafts | >= k drafts)."""
+    drafts = [a - 1 for a in accepted]
+    rates: list[float | None] = []
+    for k in range(positions):
+        reached = sum(d >= k for d in drafts)
+        rates.append(sum(d >= k + 1 for d in drafts) / reached if reached else None)
+    return rates
+
+
+def _total(rows: Sequence[dict[str, Any]], key: str) -> float:
+    return sum(r[key] for r in rows)
+
+
+def _ratio(a: float, b: float) -> float:
+    return a / b if b > 0 else 0.0
+
+
+def _speedup(base_tokens: float, base_time: float, tokens: float, time: float, same_length: bool) -> float:
+    if same_length:
+        return _ratio(base_time, time)
+    return _ratio(_ratio(tokens, time), _ratio(base_tokens, base_time))
+
+
+def format_table(report: dict[str, Any]) -> str:
+    """Per category then overall: tau, tokens/s, speedups, time shares, exactness."""
+    lines = [("category", "n", "tau", "base tok/s", "eyas tok/s", "speedup", "lookup x", "draft %", "overhead %",
+              "exact")]
+    groups = sorted(report["per_category"].items()) + [("overall", report["overall"])]
+    for name, s in groups:
+        lookup = s.get("prompt_lookup_speedup")
+        exact = s["exact_match_fraction"]
+        lines.append((name, str(s["questions"]), f"{s['tau']:.2f}", f"{s['baseline_tokens_per_s']:.1f}",
+                      f"{s['spec_tokens_per_s']:.1f}", f"{s['speedup']:.2f}x",
+                      "-" if lookup is None else f"{lookup:.2f}x", f"{100 * s['draft_time_fraction']:.1f}",
+                      f"{100 * s['engine_overhead_fraction']:.1f}", "-" if exact is None else f"{exact:.2f}"))
+    widths = [max(len(line[i]) for line in lines) for i in range(len(lines[0]))]
+    out = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(line, widths)))
+           for line in lines]
+    out.insert(1, "-" * len(out[0]))
+    out.insert(len(out) - 1, "-" * len(out[0]))
+    if report["overall"]["speedup_basis"] != "time":
+        out.append("speedup is a tokens/s ratio: outputs differ in length (sampling), so times are not for the same tokens")
+    return "\n".join(out)
+
+
+def write_plot(report: dict[str, Any], path: str | os.PathLike) -> None:
+    """Two panels: acceptance per draft position, and speedup per category (with prompt lookup if run)."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only; never needs a display
+    import matplotlib.pyplot as plt
+
+    fig, (ax_acc, ax_speed) = plt.subplots(1, 2, figsize=(11, 4))
+    rates = report["overall"]["accept_rate_per_position"]
+    xs = [k + 1 for k, r in enumerate(rates) if r is not None]
+    ax_acc.bar(xs, [r for r in rates if r is not None], color="tab:blue")
+    ax_acc.set(xlabel="draft position", ylabel="acceptance rate (given previous accepted)", ylim=(0, 1),
+               title=f"acceptance per position (tau {report['overall']['tau']:.2f})")
+    ax_acc.set_xticks(xs)
+
+    groups = sorted(report["per_category"].items()) + [("overall", report["overall"])]
+    names = [n for n, _ in groups]
+    has_lookup = all("prompt_lookup_speedup" in s for _, s in groups)
+    width = 0.4 if has_lookup else 0.8
+    pos = range(len(groups))
+    ax_speed.bar([p - width / 2 * has_lookup for p in pos], [s["speedup"] for _, s in groups], width, label="eyas")
+    if has_lookup:
+        ax_speed.bar([p + width / 2 for p in pos], [s["prompt_lookup_speedup"] for _, s in groups], width,
+                     label="prompt lookup", color="tab:gray")
+    ax_speed.axhline(1.0, color="black", linewidth=0.8)
+    ax_speed.set_xticks(list(pos), names, rotation=30, ha="right")
+    ax_speed.set(ylabel="speedup over transformers generate", title="speedup per category")
+    ax_speed.legend()
+    st = report.get("settings", {})
+    fig.suptitle(f"{st.get('target', '')}  {st.get('dtype', '')}  T={st.get('temperature', '')}  "
+                 f"{st.get('max_new_tokens', '')} new tokens", fontsize=9)
+    fig.tight_layout()
+    with atomic_file(path, "wb") as f:
+        fig.savefig(f, format="png", dpi=120)
+    plt.close(fig)
