@@ -1,0 +1,75 @@
+"""Render a conversation with the tokenizer's own chat template and find the assistant tokens.
+
+No separators are hard-coded. For assistant turn i the template is rendered twice:
+    before = render(messages[:i], add_generation_prompt=True)   # up to where the answer starts
+    after  = render(messages[:i+1])                               # through the end of that turn
+and the turn is the character span [len(before), len(after)) of the full rendering (both must
+be prefixes of it; templates that rewrite earlier turns are reported as "template_error").
+Tokens are mapped to spans by their character offsets. A span ends at the first end-of-turn
+token in it (the tokenizer's eos), because that is where generation stops: ChatML's trailing
+"\n" after <|im_end|> is never generated, so it is not a training target.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+from transformers import PreTrainedTokenizerBase
+
+
+class TemplateError(ValueError):
+    """The template cannot render this conversation consistently (rejected roles, rewritten turns)."""
+
+
+@dataclass
+class Rendered:
+    input_ids: list[int]
+    loss_mask: list[int]  # 1 on assistant tokens (content + end-of-turn token)
+
+
+def _render(tokenizer: PreTrainedTokenizerBase, messages: Sequence[dict], generation_prompt: bool) -> str:
+    try:
+        return tokenizer.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=generation_prompt)
+    except Exception as e:  # jinja raise_exception(), e.g. Mistral's "roles must alternate"
+        raise TemplateError(f"chat template refused the conversation: {e}") from e
+
+
+def assistant_spans(tokenizer: PreTrainedTokenizerBase, messages: Sequence[dict],
+                    last_only: bool = False) -> tuple[str, list[tuple[int, int]]]:
+    """Full rendering and the [start, end) character span of each (or only the last) assistant turn."""
+    full = _render(tokenizer, messages, False)
+    turns = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
+    if last_only:
+        turns = turns[-1:]
+    spans = []
+    for i in turns:
+        before = _render(tokenizer, messages[:i], True) if i else ""
+        after = _render(tokenizer, messages[: i + 1], False)
+        if not (full.startswith(before) and full.startswith(after) and len(before) <= len(after)):
+            raise TemplateError("chat template is not prefix-stable (it rewrites earlier turns)")
+        spans.append((len(before), len(after)))
+    return full, spans
+
+
+def render_with_mask(tokenizer: PreTrainedTokenizerBase, messages: Sequence[dict], last_only: bool = False,
+                     eos_ids: Sequence[int] | None = None) -> Rendered:
+    """Token ids of the rendered conversation and a mask that is 1 exactly on assistant tokens."""
+    if not tokenizer.is_fast:
+        raise ValueError("loss masks need a fast tokenizer (character offsets)")
+    full, spans = assistant_spans(tokenizer, messages, last_only)
+    # The template already wrote the special tokens (bos etc.), so do not add them again.
+    enc = tokenizer(full, add_special_tokens=False, return_offsets_mapping=True)
+    ids, offsets = enc["input_ids"], enc["offset_mapping"]
+    eos = set(eos_ids if eos_ids is not None else [tokenizer.eos_token_id])
+    mask = [0] * len(ids)
+    k = 0
+    for start, end in spans:
+        while k < len(ids) and offsets[k][1] <= start:  # tokens wholly before the span
+            k += 1
+        while k < len(ids) and offsets[k][0] < end:
+            mask[k] = 1
+            k += 1
+            if ids[k - 1] in eos:  # generation stops here; the rest of the span is template glue
+                break
+    return Rendered(ids, mask)
