@@ -1,4 +1,4 @@
-"""`eyas generate`, `eyas chat` and `eyas bench`."""
+"""`eyas generate`, `eyas chat`, `eyas bench` and `eyas demo`."""
 
 from __future__ import annotations
 
@@ -15,9 +15,92 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=_todo)
     p = sub.add_parser("bench", help="benchmark a head against plain generate on MT-bench style questions",
                        description="Measure acceptance length, per-position acceptance and end-to-end speedup "
-                       "against plain transformers generate, interleaved in one process.")
-    p.set_defaults(func=_todo)
+                       "against plain transformers generate, interleaved in one process.",
+                       epilog="Questions: one JSON object per line, MT-bench / Spec-Bench rows "
+                       "({question_id, category, turns}: the first turn goes through the target's chat template) "
+                       "or HumanEval-style rows ({prompt}: used raw). Writes REPORT.json and REPORT.png beside it.")
+    p.add_argument("--target", required=True, help="target model: local HF folder, .gguf file, hub id or `smollm2-135m`")
+    p.add_argument("--head", required=True, help="draft head folder (eyas, SGLang, speculators or EAGLE-1 layout)")
+    p.add_argument("--questions", required=True, help="questions .jsonl (e.g. MT-bench question.jsonl)")
+    p.add_argument("--out", required=True, help="report .json path; the plot goes beside it as .png")
+    p.add_argument("--max-new-tokens", type=int, default=256, help="new tokens per question (default 256)")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default); >0 samples on both sides")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling threshold (default 1.0 = off)")
+    p.add_argument("--top-k", type=int, default=0, help="sampling top-k (default 0 = off)")
+    p.add_argument("--seed", type=int, default=0, help="sampling seed; question i uses seed+i on both sides")
+    p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"],
+                   help="target and head dtype (default fp32: greedy outputs must match exactly)")
+    p.add_argument("--limit", type=int, default=None, help="only the first N questions")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    p.add_argument("--prompt-lookup", type=int, nargs="?", const=10, default=None, metavar="N",
+                   help="also run transformers prompt-lookup decoding with N candidate tokens (default N=10)")
+    add_tree_options(p)
+    p.set_defaults(func=_bench)
+    p = sub.add_parser("demo", help="the main job: train the demo head, export it, benchmark it on MT-bench",
+                       description="Train the demo EAGLE-3 head for SmolLM2-135M-Instruct on ShareGPT "
+                       "(configs/smollm2-135m-eagle3.yaml), export it, run `eyas bench` on MT-bench and print the "
+                       "table. Each step is the real command (printed as it runs); rerunning resumes training.")
+    p.add_argument("--questions", default=None,
+                   help="MT-bench question.jsonl (FastChat's fastchat/llm_judge/data/mt_bench/question.jsonl)")
+    p.add_argument("--config", default="configs/smollm2-135m-eagle3.yaml", help="training run YAML")
+    p.add_argument("--head-out", default="heads/smollm2-135m-eagle3", help="where the exported head goes")
+    p.add_argument("--report", default=None, help="bench report path (default: <run output_dir>/bench/report.json)")
+    p.add_argument("--dtype", default="bf16", choices=["fp32", "bf16"], help="bench dtype (default bf16)")
+    p.add_argument("--limit", type=int, default=None, help="bench only the first N questions")
+    p.add_argument("--max-new-tokens", type=int, default=256, help="new tokens per question (default 256)")
+    p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="training config overrides, e.g. schedule.total_steps=50")
+    p.set_defaults(func=_demo)
 
 
 def _todo(args: argparse.Namespace) -> int:
     raise NotImplementedError(f"eyas {args.command} is not implemented yet")
+
+
+def add_tree_options(p: argparse.ArgumentParser) -> None:
+    """Draft tree flags, passed to SpeculativeGenerator; unset flags keep TreeOptions' defaults."""
+    g = p.add_argument_group("draft tree")
+    g.add_argument("--tree", dest="tree_kind", choices=["dynamic", "static", "chain"], default=None,
+                   help="tree shape: dynamic (expand the likeliest nodes), static (fixed --paths) or chain")
+    g.add_argument("--depth", type=int, default=None, help="draft steps per cycle")
+    g.add_argument("--tree-top-k", type=int, default=None, help="children considered per node (dynamic tree)")
+    g.add_argument("--total-tokens", type=_int_or_auto, default=None, help="draft tokens verified per cycle, or `auto`")
+    g.add_argument("--paths", default=None, help='static tree as JSON paths, e.g. "[[0],[1],[0,0]]"')
+
+
+def _int_or_auto(value: str) -> int | str:
+    if value == "auto":
+        return value
+    try:
+        return int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer or `auto`, got {value!r}") from None
+
+
+def tree_options(args: argparse.Namespace) -> dict:
+    import json
+
+    opts = {"kind": args.tree_kind, "depth": args.depth, "top_k": args.tree_top_k,
+            "total_tokens": args.total_tokens,
+            "paths": json.loads(args.paths) if args.paths else None}
+    return {k: v for k, v in opts.items() if v is not None}
+
+
+def _bench(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from .bench import format_table, run_bench
+
+    report = run_bench(args.target, args.head, args.questions, max_new_tokens=args.max_new_tokens,
+                       temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
+                       dtype=args.dtype, limit=args.limit, threads=args.threads, prompt_lookup=args.prompt_lookup,
+                       out=args.out, **tree_options(args))
+    print(format_table(report))
+    print(f"report: {args.out}\nplot:   {Path(args.out).with_suffix('.png')}")
+    return 0
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from .main_job import run_main_job
+
+    return run_main_job(args.config, args.questions, head_out=args.head_out, report=args.report, dtype=args.dtype,
+                        limit=args.limit, max_new_tokens=args.max_new_tokens, overrides=args.overrides)

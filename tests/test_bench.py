@@ -104,3 +104,32 @@ def test_missing_or_empty_file_is_a_clear_error(tmp_path):
 def test_accept_rate_per_position_is_conditional_on_reaching_the_position():
     # drafts accepted per cycle: 0, 1, 2, 3, 1
     assert accept_rate_per_position([1, 2, 3, 4, 2], 5) == [4 / 5, 2 / 4, 1 / 2, 0 / 1, None]
+
+
+def test_cli_writes_report_and_prints_table(tmp_path, target, capsys):
+    from eyas.inference.cli import main
+
+    q = _write(tmp_path / "q.jsonl", QUESTIONS)
+    rc = main(["bench", "--target", "tiny", "--head", "h", "--questions", str(q), "--out", str(tmp_path / "r.json"),
+               "--max-new-tokens", "6", "--limit", "2"])
+    out = capsys.readouterr().out
+    assert rc == 0
+    assert json.loads((tmp_path / "r.json").read_text())["overall"]["questions"] == 2
+    assert "overall" in out and "writing" in out and str(tmp_path / "r.png") in out
+
+
+def test_cli_bad_questions_is_one_clear_line(tmp_path, target, capsys):
+    from eyas.inference.cli import main
+
+    q = _write(tmp_path / "q.jsonl", [QUESTIONS[0], '{"question_id": 9}'])
+    rc = main(["bench", "--target", "tiny", "--head", "h", "--questions", str(q), "--out", str(tmp_path / "r.json")])
+    assert rc == 2
+    assert "q.jsonl:2" in capsys.readouterr().err
+    assert not (tmp_path / "r.json").exists()
+
+
+def test_demo_without_questions_says_where_to_get_them(capsys):
+    from eyas.inference.cli import main
+
+    assert main(["demo"]) == 2
+    assert "mt_bench/question.jsonl" in capsys.readouterr().err
