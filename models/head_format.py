@@ -83,7 +83,7 @@ def load_head(
     if "eyas_format" not in raw:
         from .interop import load_foreign
 
-        config, state = load_foreign(Path(folder), raw)
+        config, state = load_foreign(Path(folder), raw, target)
     else:
         if raw["eyas_format"] > FORMAT_VERSION:
             raise ValueError(f"{folder} uses head format {raw['eyas_format']}; this eyas reads up to {FORMAT_VERSION}")
