@@ -1,0 +1,78 @@
+"""Checkpoints: one folder per step, written under a temporary name and renamed when complete.
+
+    <output_dir>/checkpoints/step-00000100/
+        head/           the head in eyas head format (config.json + model.safetensors, vocab map
+                        installed): `eyas export` and `load_head` read it directly
+        state/          accelerator.save_state: wrapped model, optimizer, scheduler, RNG of every rank
+                        (DeepSpeed: its own sharded layout)
+        trainer.json    step, consumed stream positions, world size, tokens seen
+
+All ranks write `state/` into the same temporary folder; the main process adds head/ and
+trainer.json and renames the folder, so a crash leaves the previous checkpoints and at most
+one `.step-*.tmp` folder, which is ignored and replaced.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+from eyas.models import DraftHead, save_head
+from eyas.models.atomic import atomic_file
+
+STATE, HEAD, TRAINER = "state", "head", "trainer.json"
+
+
+def checkpoints_dir(output_dir: str | Path) -> Path:
+    return Path(output_dir) / "checkpoints"
+
+
+def list_checkpoints(output_dir: str | Path) -> list[Path]:
+    """Complete checkpoints, oldest first."""
+    root = checkpoints_dir(output_dir)
+    if not root.is_dir():
+        return []
+    done = [p for p in root.iterdir() if p.name.startswith("step-") and (p / TRAINER).is_file()]
+    return sorted(done, key=lambda p: int(p.name.split("-")[1]))
+
+
+def save_checkpoint(accelerator, model, head_state: dict[str, Any] | None, head_config, trainer_state: dict[str, Any],
+                    output_dir: str | Path, keep: int) -> Path:
+    """Collective: every rank must call it. head_state is the full head state dict (main process)."""
+    root = checkpoints_dir(output_dir)
+    final = root / f"step-{trainer_state['step']:08d}"
+    tmp = root / f".{final.name}.tmp"
+    if accelerator.is_main_process:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    accelerator.wait_for_everyone()
+    accelerator.save_state(str(tmp / STATE))
+    if accelerator.is_main_process:
+        write_head(head_state, head_config, tmp / HEAD, {"step": trainer_state["step"]})
+        with atomic_file(tmp / TRAINER) as f:
+            json.dump(trainer_state, f, indent=2)
+        if final.exists():  # re-saving the same step (e.g. stop right after a periodic save)
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        for old in list_checkpoints(output_dir)[:-keep]:
+            shutil.rmtree(old, ignore_errors=True)
+    accelerator.wait_for_everyone()
+    return final
+
+
+def write_head(head_state: dict[str, Any], head_config, folder: Path, extra: dict[str, Any]) -> None:
+    """Save a full head state dict (gathered from any sharding) as an fp32 eyas head folder."""
+    head = DraftHead(head_config)
+    head.load_state_dict(head_state)
+    save_head(head.float(), folder, extra=extra)
+
+
+def load_checkpoint(accelerator, folder: Path) -> dict[str, Any]:
+    """Restore model/optimizer/scheduler/RNG into the prepared objects; return trainer.json."""
+    if not (folder / TRAINER).is_file():
+        raise FileNotFoundError(f"{folder} is not a complete checkpoint ({TRAINER} missing)")
+    accelerator.load_state(str(folder / STATE))
+    return json.loads((folder / TRAINER).read_text())

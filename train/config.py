@@ -1,0 +1,299 @@
+"""A training run's configuration: nested frozen dataclasses read from one YAML plus key=value overrides.
+
+Every field is typed and checked on load: an unknown or mistyped key is an error that names it and
+the nearest valid key; a value of the wrong type names the key and the expected type. The resolved
+config (YAML + overrides + defaults) is written into each run folder, so a run can be repeated.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A run config that cannot be used; the message names the key and the fix."""
+
+
+@dataclass(frozen=True)
+class TargetConfig:
+    # Local HF folder, .gguf file, hub id, or the alias `smollm2-135m`.
+    spec: str = "smollm2-135m"
+    dtype: Literal["fp32", "bf16"] = "fp32"
+
+
+@dataclass(frozen=True)
+class HeadSection:
+    type: Literal["eagle1", "eagle3"] = "eagle3"
+    num_layers: int = 1
+    # EAGLE-3 only: size of the reduced output vocabulary (null = full target vocab, no vocab map).
+    draft_vocab_size: int | None = None
+    # EAGLE-3 only: target layers whose inputs are fused (null = 2, N//2, N-3).
+    fused_layer_ids: tuple[int, ...] | None = None
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    # A data-layer source (e.g. `sharegpt`, a .jsonl/.json file, a hub dataset), or a folder written by
+    # datasets.save_to_disk that already holds `input_ids` and `loss_mask` columns.
+    source: str = "sharegpt"
+    # Renames from the source's field names to the data layer's (null = the data layer's defaults).
+    field_map: dict[str, str] | None = None
+    max_length: int = 2048
+    # Which assistant turns count for the loss (passed to the data layer).
+    assistant_turns: str = "all"
+    # Fraction (<1) or number (>=1) of examples kept aside for held-out acceptance.
+    held_out: float = 0.02
+    limit: int | None = None
+    num_proc: int = 1
+    # online: the frozen target runs in the loop; offline: read `cache_dir` (eyas data cache-hidden).
+    hidden_states: Literal["online", "offline"] = "online"
+    cache_dir: str | None = None
+    # Where the draft vocab map is cached (null = <output_dir>/vocab_map.safetensors).
+    vocab_cache: str | None = None
+
+
+@dataclass(frozen=True)
+class OptimConfig:
+    lr: float = 3e-4
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.95)
+    eps: float = 1e-8
+    # Max global grad norm; 0 disables clipping.
+    grad_clip: float = 0.5
+
+
+@dataclass(frozen=True)
+class ScheduleConfig:
+    kind: Literal["cosine", "linear", "constant"] = "cosine"
+    warmup_steps: int = 0
+    # Optimizer steps to train; if null, `epochs` passes over the training split decide.
+    total_steps: int | None = None
+    epochs: float = 1.0
+    # Final lr as a fraction of optim.lr for cosine/linear decay.
+    min_lr_ratio: float = 0.0
+
+
+@dataclass(frozen=True)
+class LossConfig:
+    # EAGLE-3 training-time test: unrolled draft steps and the weight decay per step (weight = decay**i).
+    ttt_steps: int = 7
+    step_decay: float = 0.8
+    # EAGLE-1: SmoothL1(feature) * feature_weight + soft CE * ce_weight (reference: 1.0 and 0.1).
+    feature_weight: float = 1.0
+    ce_weight: float = 0.1
+    # Uniform noise on the head's step-0 input feature, scaled as in the EAGLE reference
+    # ((U-0.5) * feature_noise * 512 / T); 0 disables.
+    feature_noise: float = 0.0
+
+
+@dataclass(frozen=True)
+class BatchConfig:
+    # Sequences per process per micro-batch; the global batch is size * processes * grad_accum.
+    size: int = 4
+    grad_accum: int = 1
+
+
+@dataclass(frozen=True)
+class CheckpointConfig:
+    every: int = 500
+    keep: int = 2
+    # auto: continue from the newest checkpoint in output_dir if one exists; none: start fresh
+    # (refuses a non-empty checkpoints folder); or a path to a checkpoint folder.
+    resume: str = "auto"
+
+
+@dataclass(frozen=True)
+class LoggingConfig:
+    backend: Literal["none", "tensorboard", "wandb", "all"] = "none"
+    every: int = 10
+    # Held-out acceptance every N optimizer steps (0 = only at the end) over at most `eval_batches`.
+    eval_every: int = 0
+    eval_batches: int = 8
+    project: str = "eyas"
+
+
+@dataclass(frozen=True)
+class DistributedConfig:
+    # What this run must get from `accelerate launch`; a mismatch stops the run before training
+    # (a wrong launch otherwise silently runs one process or unsynchronised copies).
+    # null = derive from the launcher's WORLD_SIZE only.
+    expect_processes: int | None = None
+    # e.g. NO, MULTI_CPU, MULTI_GPU, DEEPSPEED, FSDP (accelerate's DistributedType names).
+    expect_type: str | None = None
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    output_dir: str = "runs/default"
+    seed: int = 0
+    precision: Literal["fp32", "bf16"] = "fp32"
+    target: TargetConfig = field(default_factory=TargetConfig)
+    head: HeadSection = field(default_factory=HeadSection)
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
+    loss: LossConfig = field(default_factory=LossConfig)
+    batch: BatchConfig = field(default_factory=BatchConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    distributed: DistributedConfig = field(default_factory=DistributedConfig)
+
+    def __post_init__(self) -> None:
+        checks = [
+            (self.head.num_layers >= 1, "head.num_layers must be >= 1"),
+            (self.head.type == "eagle3" or self.head.draft_vocab_size is None,
+             "head.draft_vocab_size is for eagle3 heads (eagle1 predicts through the full lm_head); remove it"),
+            (self.head.type == "eagle3" or self.head.fused_layer_ids is None,
+             "head.fused_layer_ids is for eagle3 heads; remove it"),
+            (self.loss.ttt_steps >= 1, "loss.ttt_steps must be >= 1"),
+            (self.batch.size >= 1 and self.batch.grad_accum >= 1, "batch.size and batch.grad_accum must be >= 1"),
+            (self.data.max_length >= 4, "data.max_length must be >= 4"),
+            (self.data.held_out >= 0, "data.held_out must be >= 0"),
+            (self.data.hidden_states == "online" or self.data.cache_dir,
+             "data.hidden_states=offline needs data.cache_dir (the folder written by `eyas data cache-hidden`)"),
+            (self.optim.lr > 0, "optim.lr must be > 0"),
+            (self.checkpoint.every >= 1 and self.checkpoint.keep >= 1, "checkpoint.every and checkpoint.keep must be >= 1"),
+            (self.logging.every >= 1, "logging.every must be >= 1"),
+            (self.schedule.total_steps is None or self.schedule.total_steps >= 1, "schedule.total_steps must be >= 1"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise ConfigError(message)
+
+    def to_dict(self) -> dict[str, Any]:
+        return _plain(dataclasses.asdict(self))
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    return value
+
+
+# ---- building from dicts -------------------------------------------------------------------------
+def from_dict(cls: type, raw: Any, path: str = "") -> Any:
+    """Build dataclass `cls` from nested dicts, rejecting unknown keys and mistyped values."""
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path or 'config'} must be a mapping, got {type(raw).__name__}")
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    kwargs = {}
+    for key, value in raw.items():
+        full = f"{path}{key}"
+        if key not in names:
+            raise ConfigError(f"unknown config key {full!r}{_nearest(str(key), names, path)}")
+        kwargs[key] = _coerce(hints[key], value, full)
+    try:
+        return cls(**kwargs)
+    except ConfigError:
+        raise
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"{path.rstrip('.') or 'config'}: {e}") from e
+
+
+def _nearest(key: str, names: list[str], path: str) -> str:
+    close = difflib.get_close_matches(key, names, n=1, cutoff=0.5)
+    hint = f"; did you mean {path + close[0]!r}?" if close else ""
+    return f"{hint} (valid keys{' under ' + path.rstrip('.') if path else ''}: {', '.join(names)})"
+
+
+def _coerce(tp: Any, value: Any, key: str) -> Any:
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if dataclasses.is_dataclass(tp):
+        return from_dict(tp, value, key + ".")
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for arg in (a for a in args if a is not type(None)):
+            try:
+                return _coerce(arg, value, key)
+            except ConfigError as e:
+                errors.append(str(e))
+        raise ConfigError(errors[0] if len(errors) == 1 else f"{key}: {value!r} fits none of {tp}")
+    if origin is Literal:
+        if value not in args:
+            raise ConfigError(f"{key} must be one of {list(args)}, got {value!r}")
+        return value
+    if origin is tuple:
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{key} must be a list, got {value!r}")
+        item_types = [args[0]] * len(value) if len(args) == 2 and args[1] is Ellipsis else list(args)
+        if len(item_types) != len(value):
+            raise ConfigError(f"{key} must have {len(item_types)} items, got {len(value)}")
+        return tuple(_coerce(t, v, f"{key}[{i}]") for i, (t, v) in enumerate(zip(item_types, value)))
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"{key} must be a mapping, got {value!r}")
+        return {_coerce(args[0], k, key): _coerce(args[1], v, f"{key}.{k}") for k, v in value.items()}
+    if tp is float:
+        # YAML reads `3e-4` (no dot) as a string; accept it and ints as floats.
+        if isinstance(value, bool):
+            raise ConfigError(f"{key} must be a number, got {value!r}")
+        try:
+            return float(value)
+        except (TypeError, ValueError):
+            raise ConfigError(f"{key} must be a number, got {value!r}") from None
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{key} must be an integer, got {value!r}")
+        return value
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{key} must be true or false, got {value!r}")
+        return value
+    if tp is str:
+        if isinstance(value, (dict, list)) or value is None:
+            raise ConfigError(f"{key} must be a string, got {value!r}")
+        return str(value)
+    raise TypeError(f"unsupported config type {tp} for {key}")
+
+
+# ---- YAML + overrides ----------------------------------------------------------------------------
+def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """Apply `dotted.key=value` strings (values parsed as YAML) to a nested dict, in order."""
+    raw = _deep_copy(raw)
+    for item in overrides:
+        key, sep, text = item.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"override {item!r} is not key=value (e.g. optim.lr=3e-4)")
+        node = raw
+        parts = key.split(".")
+        for part in parts[:-1]:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"override {item!r}: {part!r} is not a section")
+        node[parts[-1]] = yaml.safe_load(text) if text else ""
+    return raw
+
+
+def _deep_copy(d: Any) -> Any:
+    return {k: _deep_copy(v) for k, v in d.items()} if isinstance(d, dict) else d
+
+
+def load_config(path: str | Path | None, overrides: list[str] = ()) -> RunConfig:
+    """Read a run YAML (or only defaults when `path` is None) and apply key=value overrides."""
+    raw: dict[str, Any] = {}
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise FileNotFoundError(f"run config {path} does not exist")
+        try:
+            raw = yaml.safe_load(path.read_text()) or {}
+        except yaml.YAMLError as e:
+            raise ConfigError(f"{path} is not valid YAML: {e}") from e
+    return from_dict(RunConfig, apply_overrides(raw, list(overrides)))
+
+
+def dump_config(config: RunConfig) -> str:
+    return yaml.safe_dump(config.to_dict(), sort_keys=False)

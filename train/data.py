@@ -1,0 +1,121 @@
+"""Training examples in a deterministic order that does not depend on the number of processes.
+
+The training split is read as an endless stream of per-epoch permutations (seeded by seed+epoch).
+An optimizer step consumes the next `batch.size * processes * grad_accum` stream positions: micro-batch
+a of rank r takes positions [a*size*world + r*size, +size). The trainer only stores how many
+positions were consumed, so a resumed run, at the same or another world size, continues exactly
+where the last one stopped, and a 2-process step sees the same examples as a 1-process step with
+the doubled batch.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+
+from .config import DataConfig
+
+
+class Examples(Protocol):
+    """A datasets.Dataset (columns input_ids, loss_mask) or the data layer's HiddenStateDataset."""
+
+    def __len__(self) -> int: ...
+    def __getitem__(self, i: int) -> dict[str, Any]: ...
+
+
+def load_examples(config: DataConfig, tokenizer, seed: int) -> tuple[Examples, Examples, str]:
+    """(train, held_out, summary line). Online: tokenized conversations; offline: the hidden-state cache."""
+    if config.hidden_states == "offline":
+        from eyas.data import HiddenStateDataset
+
+        cache = HiddenStateDataset(config.cache_dir)
+        train_idx, held_idx = split_indices(len(cache), config.held_out, seed)
+        return Subset(cache, train_idx), Subset(cache, held_idx), f"{len(cache)} cached examples in {config.cache_dir}"
+    from eyas.data import build_examples, split_examples
+
+    examples, summary = build_examples(config.source, tokenizer, max_length=config.max_length,
+                                       assistant_turns=config.assistant_turns, field_map=config.field_map,
+                                       limit=config.limit, num_proc=config.num_proc if config.num_proc > 1 else None)
+    if config.held_out == 0:
+        return examples, examples.select([]), str(summary)
+    held = int(config.held_out) if config.held_out >= 1 else config.held_out
+    train, held_out = split_examples(examples, held, seed)
+    return train, held_out, str(summary)
+
+
+def split_indices(n: int, held_out: float, seed: int) -> tuple[list[int], list[int]]:
+    """Seeded index split for the offline cache; held_out is a fraction (<1) or a count."""
+    count = int(held_out) if held_out >= 1 else round(held_out * n)
+    if held_out > 0:
+        count = max(count, 1)
+    if count >= n:
+        raise ValueError(f"data.held_out={held_out} leaves no training examples out of {n}")
+    order = torch.randperm(n, generator=torch.Generator().manual_seed(seed)).tolist()
+    return sorted(order[count:]), sorted(order[:count])
+
+
+class Subset:
+    def __init__(self, examples: Examples, index: list[int]) -> None:
+        self.examples, self.index = examples, index
+
+    def __len__(self) -> int:
+        return len(self.index)
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        return self.examples[self.index[i]]
+
+
+class ExampleStream:
+    """Endless seeded epochs over `examples`; positions are global stream offsets."""
+
+    def __init__(self, examples: Examples, seed: int, shuffle: bool = True) -> None:
+        if len(examples) == 0:
+            raise ValueError("no training examples (check data.source, data.limit and data.held_out)")
+        self.examples, self.seed, self.shuffle = examples, seed, shuffle
+        self._epoch, self._order = -1, None
+
+    def _index(self, position: int) -> int:
+        epoch, offset = divmod(position, len(self.examples))
+        if epoch != self._epoch:
+            gen = torch.Generator().manual_seed(self.seed + epoch)
+            n = len(self.examples)
+            self._order = torch.randperm(n, generator=gen).tolist() if self.shuffle else list(range(n))
+            self._epoch = epoch
+        return self._order[offset]
+
+    def rows(self, start: int, count: int) -> list[dict[str, Any]]:
+        return [self.examples[self._index(p)] for p in range(start, start + count)]
+
+
+def micro_batch_start(consumed: int, micro: int, rank: int, size: int, world: int) -> int:
+    """Stream position of micro-batch `micro` of `rank` in the step that begins at `consumed`."""
+    return consumed + micro * size * world + rank * size
+
+
+def collate(rows: list[dict[str, Any]], pad_id: int) -> dict[str, torch.Tensor]:
+    """Right-pad to the longest row. -> input_ids, loss_mask, attention_mask [B, T] (+ features
+    [B, T, F] and hidden [B, T, H] for cached rows)."""
+    t = max(len(r["input_ids"]) for r in rows)
+    b = len(rows)
+    out = {"input_ids": torch.full((b, t), pad_id, dtype=torch.long),
+           "loss_mask": torch.zeros(b, t, dtype=torch.bool),
+           "attention_mask": torch.zeros(b, t, dtype=torch.bool)}
+    for i, r in enumerate(rows):
+        n = len(r["input_ids"])
+        out["input_ids"][i, :n] = torch.as_tensor(r["input_ids"])
+        out["loss_mask"][i, :n] = torch.as_tensor(r["loss_mask"]).bool()
+        out["attention_mask"][i, :n] = True
+    for key in ("features", "hidden"):
+        if key in rows[0]:
+            first = torch.as_tensor(rows[0][key])
+            out[key] = first.new_zeros(b, t, first.shape[-1])
+            for i, r in enumerate(rows):
+                v = torch.as_tensor(r[key])
+                out[key][i, : v.shape[0]] = v
+    return out
+
+
+def vocab_cache_path(config: DataConfig, output_dir: str) -> Path:
+    return Path(config.vocab_cache) if config.vocab_cache else Path(output_dir) / "vocab_map.safetensors"

@@ -1,0 +1,377 @@
+"""The training recipe: setup → train → save → cleanup, one process or many under `accelerate launch`.
+
+- The frozen target is loaded in every process, outside `accelerator.prepare`: it is never in the
+  optimizer, holds no gradients and runs under no_grad. It is replicated, not sharded, under
+  ZeRO-3/FSDP (only the head is wrapped), which is fine for targets that fit one device.
+- The head and its loss are one module (`DistillationLoss`), the only thing prepared with the optimizer.
+- Data order is global and world-size independent (see data.py); the trainer does its own sharding,
+  so no dataloader is prepared and `accelerate` never re-scales the scheduler.
+- Illegal combinations rejected at setup: a launch whose process count/type differs from what was
+  expected; offline hidden states whose feature width does not fit the head; eagle1 with a draft vocab.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import resource
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from eyas.models import DraftHead, Target, head_config_for
+
+from . import checkpoint
+from .config import RunConfig, dump_config
+from .data import ExampleStream, collate, load_examples, micro_batch_start, vocab_cache_path
+from .losses import DistillationLoss, acceptance
+
+
+class NonFiniteLoss(RuntimeError):
+    """The loss became NaN/inf: training stops; the last checkpoint on disk is the last good state."""
+
+
+class LaunchMismatch(RuntimeError):
+    """The run got a different process count or distributed type than the launcher or config asked for."""
+
+
+def lr_lambda(config: RunConfig, total_steps: int):
+    s = config.schedule
+
+    def factor(step: int) -> float:
+        if step < s.warmup_steps:
+            return (step + 1) / (s.warmup_steps + 1)
+        if s.kind == "constant":
+            return 1.0
+        progress = min(1.0, (step - s.warmup_steps) / max(1, total_steps - s.warmup_steps))
+        decay = 0.5 * (1 + math.cos(math.pi * progress)) if s.kind == "cosine" else 1 - progress
+        return s.min_lr_ratio + (1 - s.min_lr_ratio) * decay
+
+    return factor
+
+
+def check_launch(accelerator, config: RunConfig) -> str:
+    """Refuse a run whose process count/type differs from the launcher's WORLD_SIZE or the config."""
+    got_n, got_type = accelerator.num_processes, accelerator.distributed_type.name
+    line = f"launch: {got_n} process(es), distributed type {got_type}, device {accelerator.device}"
+    problems = []
+    env_world = int(os.environ.get("WORLD_SIZE", "1"))
+    if env_world != got_n:
+        problems.append(f"the launcher started WORLD_SIZE={env_world} processes but accelerate sees {got_n} "
+                        "(on CPU use: ACCELERATE_USE_CPU=true accelerate launch --multi_gpu --num_processes N)")
+    want = config.distributed
+    if want.expect_processes is not None and want.expect_processes != got_n:
+        problems.append(f"distributed.expect_processes={want.expect_processes} but the run has {got_n} process(es)")
+    if want.expect_type is not None and want.expect_type.upper() != got_type:
+        problems.append(f"distributed.expect_type={want.expect_type} but the run is {got_type}")
+    if got_n > 1 and got_type == "NO":
+        problems.append(f"{got_n} processes without a distributed type: they would train unsynchronised copies")
+    if problems:
+        raise LaunchMismatch(line + "; " + "; ".join(problems))
+    return line
+
+
+def peak_memory_mib(device: torch.device) -> float:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
+
+
+class Trainer:
+    """Distill a draft head from a frozen target as described by a RunConfig."""
+
+    def __init__(self, config: RunConfig) -> None:
+        from accelerate import Accelerator
+        from accelerate.utils import InitProcessGroupKwargs, set_seed
+
+        self.config = c = config
+        self.out = Path(c.output_dir)
+        backends = {"none": None, "tensorboard": ["tensorboard"], "wandb": ["wandb"], "all": ["tensorboard", "wandb"]}
+        handlers = []
+        if not torch.cuda.is_available() and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+            # Without a GPU, DeepSpeed/DDP need gloo; otherwise accelerate believes it has one process.
+            handlers.append(InitProcessGroupKwargs(backend="gloo"))
+        self.accelerator = acc = Accelerator(
+            mixed_precision="bf16" if c.precision == "bf16" else "no",
+            gradient_accumulation_steps=c.batch.grad_accum,
+            log_with=backends[c.logging.backend], project_dir=str(self.out / "logs"),
+            kwargs_handlers=handlers,
+        )
+        self.log(check_launch(acc, c))
+        set_seed(c.seed)
+
+        self.target = Target.load(c.target.spec, dtype=c.target.dtype, device=acc.device)
+        with acc.main_process_first():
+            self.train_set, self.held_out, summary = load_examples(c.data, self.target.tokenizer, c.seed)
+        self.log(f"data: {summary}; {len(self.train_set)} train / {len(self.held_out)} held-out examples")
+
+        hc = c.head
+        head_config = head_config_for(self.target, hc.type, draft_vocab_size=hc.draft_vocab_size,
+                                      fused_layer_ids=hc.fused_layer_ids, num_layers=hc.num_layers)
+        self.head = head = DraftHead(head_config, self.target).to(acc.device)
+        if hc.type == "eagle3" and head_config.draft_vocab_size < head_config.vocab_size:
+            from eyas.data import build_vocab_map
+
+            with acc.main_process_first():
+                vocab = build_vocab_map(self.train_set, self.target.tokenizer, head_config.draft_vocab_size,
+                                        vocab_cache_path(c.data, c.output_dir))
+            head.set_vocab_map(vocab.draft_to_target)
+            self.log(f"draft vocab: {head_config.draft_vocab_size} tokens cover {vocab.coverage:.1%} of training targets")
+
+        self.world = acc.num_processes
+        self.global_batch = c.batch.size * self.world * c.batch.grad_accum
+        self.total_steps = c.schedule.total_steps or max(1, math.ceil(c.schedule.epochs * len(self.train_set)
+                                                                      / self.global_batch))
+        model = DistillationLoss(head, c.loss)
+        optimizer = torch.optim.AdamW(head.parameters(), lr=c.optim.lr, betas=c.optim.betas, eps=c.optim.eps,
+                                      weight_decay=c.optim.weight_decay)
+        # Stepped by hand once per optimizer step (a prepared scheduler would step once per process).
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(c, self.total_steps))
+        if acc.state.deepspeed_plugin is not None:
+            ds = acc.state.deepspeed_plugin.deepspeed_config
+            ds["train_micro_batch_size_per_gpu"] = c.batch.size  # no prepared dataloader to infer it from
+            ds["gradient_clipping"] = c.optim.grad_clip
+        self.model, self.optimizer = acc.prepare(model, optimizer)
+        acc.register_for_checkpointing(self.scheduler)
+
+        self.step, self.consumed, self.tokens_seen = 0, 0, 0
+        self.stream = ExampleStream(self.train_set, c.seed)
+        self.pad_id = self.target.tokenizer.pad_token_id if self.target.tokenizer.pad_token_id is not None else 0
+        self._stop_requested = False
+        self._resume()
+        if acc.is_main_process:
+            self.out.mkdir(parents=True, exist_ok=True)
+            (self.out / "config.yaml").write_text(dump_config(c))
+        if backends[c.logging.backend]:
+            acc.init_trackers(c.logging.project, config=_flat(c.to_dict()))
+
+    # ---- setup helpers -------------------------------------------------------------------------
+    def log(self, message: str) -> None:
+        if self.accelerator.is_main_process:
+            print(f"[eyas train] {message}", flush=True)
+
+    def _resume(self) -> None:
+        c = self.config.checkpoint
+        found = checkpoint.list_checkpoints(self.out)
+        if c.resume == "none":
+            if found:
+                raise ValueError(f"{self.out} already has checkpoints; use checkpoint.resume=auto or another output_dir")
+            return
+        folder = Path(c.resume) if c.resume != "auto" else (found[-1] if found else None)
+        if folder is None:
+            return
+        state = checkpoint.load_checkpoint(self.accelerator, folder)
+        self.step, self.consumed, self.tokens_seen = state["step"], state["consumed"], state["tokens_seen"]
+        self.log(f"resumed from {folder} at step {self.step} (saved by {state['world_size']} process(es), "
+                 f"now {self.world})")
+
+    # ---- one micro-batch -------------------------------------------------------------------------
+    def _batch(self, rows: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
+        return {k: v.to(self.accelerator.device) for k, v in collate(rows, self.pad_id).items()}
+
+    def _target_states(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """-> (states [B, T, F or H], logits [B, T, V]) from the frozen target or the offline cache."""
+        eagle3 = self.head.config.head_type == "eagle3"
+        with torch.no_grad():
+            if "hidden" in batch:  # offline cache
+                states = batch["features"] if eagle3 else batch["hidden"]
+                if states.shape[-1] != self.head.config.feature_size:
+                    raise ValueError(f"cached features have width {states.shape[-1]}, the head needs "
+                                     f"{self.head.config.feature_size} (fused layers {list(self.head.config.fused_layer_ids)})")
+                hidden = batch["hidden"].to(self.target.dtype)
+                return states, self.target.lm_head(hidden)
+            out = self.target(batch["input_ids"], attention_mask=batch["attention_mask"],
+                              layer_ids=self.head.config.fused_layer_ids)
+            return (out.features if eagle3 else out.hidden), out.logits
+
+    def _forward(self, batch: dict[str, torch.Tensor]):
+        states, logits = self._target_states(batch)
+        valid = batch["attention_mask"] & batch["loss_mask"]
+        return self.model(batch["input_ids"], valid, states, logits)
+
+    def _sync_flags(self, nonfinite: bool) -> tuple[bool, bool]:
+        """All ranks agree on (nonfinite loss somewhere, stop requested somewhere)."""
+        flags = torch.tensor([float(nonfinite), float(self._stop_requested)], device=self.accelerator.device)
+        flags = self.accelerator.reduce(flags, "sum")
+        return bool(flags[0] > 0), bool(flags[1] > 0)
+
+    # ---- the loop --------------------------------------------------------------------------------
+    def train(self, until_step: int | None = None) -> dict[str, float]:
+        """Train to schedule end (or `until_step`, then checkpoint and stop as a SIGINT would).
+        Returns the final held-out metrics."""
+        from tqdm.auto import tqdm
+
+        acc, c = self.accelerator, self.config
+        previous = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+        bar = tqdm(total=self.total_steps, initial=self.step, disable=not acc.is_local_main_process,
+                   desc="training", dynamic_ncols=True)
+        window: dict[str, float] = {}
+        window_tokens, window_start = 0, time.perf_counter()
+        stopped = False
+        try:
+            self.model.train()
+            while self.step < self.total_steps:
+                step_loss = 0.0
+                for micro in range(c.batch.grad_accum):
+                    start = micro_batch_start(self.consumed, micro, acc.process_index, c.batch.size, self.world)
+                    batch = self._batch(self.stream.rows(start, c.batch.size))
+                    with acc.accumulate(self.model):
+                        loss, metrics = self._forward(batch)
+                        nonfinite, stop = self._sync_flags(not torch.isfinite(loss).item())
+                        if nonfinite:
+                            raise NonFiniteLoss(
+                                f"loss is {loss.item()} at step {self.step + 1} (micro-batch {micro}); stopped without "
+                                f"saving. Last good checkpoint: {_newest(self.out)}. Try a lower optim.lr, "
+                                "precision=fp32 or a smaller optim.grad_clip")
+                        acc.backward(loss)
+                        if acc.sync_gradients and c.optim.grad_clip > 0:
+                            acc.clip_grad_norm_(self.model.parameters(), c.optim.grad_clip)
+                        self.optimizer.step()
+                        self.optimizer.zero_grad()
+                    step_loss += loss.item() / c.batch.grad_accum
+                    window_tokens += int(batch["attention_mask"].sum())
+                    _add(window, {k: v.item() for k, v in metrics.items()})
+                self.scheduler.step()
+                self.step += 1
+                self.consumed += self.global_batch
+                _add(window, {"loss": step_loss, "steps": 1.0})
+                bar.update(1)
+                if self.step % c.logging.every == 0 or self.step == self.total_steps:
+                    elapsed = time.perf_counter() - window_start
+                    logs = self._log_window(window, window_tokens, elapsed)
+                    bar.set_postfix(loss=f"{logs['train/loss']:.4f}", tau=f"{logs['train/tau']:.2f}")
+                    window, window_tokens, window_start = {}, 0, time.perf_counter()
+                if c.logging.eval_every and self.step % c.logging.eval_every == 0 and self.step < self.total_steps:
+                    self.evaluate()
+                if self.step % c.checkpoint.every == 0:
+                    self.save()
+                if stop or self.step == until_step:  # `stop` is agreed by all ranks
+                    stopped = True
+                    break
+        finally:
+            bar.close()
+            for s, handler in previous.items():
+                signal.signal(s, handler)
+        if stopped:
+            if self.step % c.checkpoint.every:
+                self.save()
+            self.log(f"stopped at step {self.step}; resume with the same command (checkpoint.resume=auto)")
+            return {}
+        if self.step % c.checkpoint.every:
+            self.save()
+        result = self.evaluate()
+        self.save_final()
+        return result
+
+    def _on_signal(self, signum: int, frame) -> None:
+        if self._stop_requested:  # a second Ctrl-C aborts at once
+            raise KeyboardInterrupt
+        self._stop_requested = True
+        self.log(f"received {signal.Signals(signum).name}: saving a checkpoint after this step, then exiting")
+
+    def _log_window(self, window: dict[str, float], tokens: int, elapsed: float) -> dict[str, float]:
+        """Reduce the window's sums over processes, log them, append to metrics.jsonl."""
+        acc = self.accelerator
+        keys = sorted(window)
+        sums = acc.reduce(torch.tensor([window[k] for k in keys] + [float(tokens)], dtype=torch.float64,
+                                        device=acc.device), "sum").tolist()
+        total = dict(zip(keys, sums[:-1]))
+        steps = max(window["steps"], 1.0)
+        logs = {"train/loss": total["loss"] / (steps * self.world), "lr": self.scheduler.get_last_lr()[0],
+                "tokens_per_s": sums[-1] / max(elapsed, 1e-9), "peak_memory_mib": peak_memory_mib(acc.device)}
+        logs.update({f"train/{k}": v for k, v in acceptance(total).items()})
+        for k, v in total.items():
+            if k.startswith("loss/"):
+                count = total.get(k.replace("loss/", "count/"), total["count/step0"])
+                logs[f"train/{k}"] = v / max(count, 1.0)
+        self.tokens_seen += int(sums[-1])
+        self._emit(logs)
+        return logs
+
+    def _emit(self, logs: dict[str, float]) -> None:
+        acc = self.accelerator
+        if self.config.logging.backend != "none":
+            acc.log(logs, step=self.step)
+        if acc.is_main_process:
+            with open(self.out / "metrics.jsonl", "a") as f:
+                f.write(json.dumps({"step": self.step, **logs}) + "\n")
+
+    @torch.no_grad()
+    def evaluate(self) -> dict[str, float]:
+        """Held-out per-step top-1 acceptance and tau (see losses.acceptance); every rank runs the same
+        number of batches so sharded models stay in lockstep."""
+        acc, c = self.accelerator, self.config
+        if len(self.held_out) == 0:
+            return {}
+        stream = ExampleStream(self.held_out, c.seed, shuffle=False)
+        per_rank = max(1, min(c.logging.eval_batches, math.ceil(len(self.held_out) / c.batch.size)) // self.world)
+        totals: dict[str, float] = {}
+        self.model.eval()
+        for b in range(per_rank):
+            start = micro_batch_start(b * c.batch.size * self.world, 0, acc.process_index, c.batch.size, self.world)
+            _, metrics = self._forward(self._batch(stream.rows(start % len(self.held_out), c.batch.size)))
+            _add(totals, {k: v.item() for k, v in metrics.items()})
+        self.model.train()
+        keys = sorted(totals)
+        sums = acc.reduce(torch.tensor([totals[k] for k in keys], dtype=torch.float64, device=acc.device), "sum")
+        result = {f"eval/{k}": v for k, v in acceptance(dict(zip(keys, sums.tolist()))).items()}
+        self._emit(result)
+        self.log(f"step {self.step}: held-out tau {result['eval/tau']:.3f}, acc "
+                 + " ".join(f"{result[k]:.3f}" for k in sorted(result) if k.startswith("eval/acc/")))
+        return result
+
+    # ---- saving ----------------------------------------------------------------------------------
+    def _head_state(self) -> dict[str, torch.Tensor] | None:
+        """Full head weights on the main process, gathered from any sharding (collective)."""
+        state = self.accelerator.get_state_dict(self.model)
+        if not self.accelerator.is_main_process:
+            return None
+        return {k.removeprefix("head."): v for k, v in state.items() if k.startswith("head.")}
+
+    def save(self) -> Path:
+        trainer_state = {"step": self.step, "consumed": self.consumed, "tokens_seen": self.tokens_seen,
+                         "world_size": self.world, "total_steps": self.total_steps}
+        return checkpoint.save_checkpoint(self.accelerator, self.model, self._head_state(), self.head.config,
+                                          trainer_state, self.out, self.config.checkpoint.keep)
+
+    def save_final(self) -> None:
+        state = self._head_state()
+        if self.accelerator.is_main_process:
+            checkpoint.write_head(state, self.head.config, self.out / "head", {"step": self.step})
+            self.log(f"final head written to {self.out / 'head'}")
+        self.accelerator.wait_for_everyone()
+
+    def cleanup(self) -> None:
+        self.accelerator.end_training()
+
+
+def _add(into: dict[str, float], values: dict[str, float]) -> None:
+    for k, v in values.items():
+        into[k] = into.get(k, 0.0) + v
+
+
+def _newest(output_dir: Path) -> str:
+    found = checkpoint.list_checkpoints(output_dir)
+    return str(found[-1]) if found else "none yet"
+
+
+def _flat(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.update(_flat(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = str(v) if isinstance(v, (list, tuple)) or v is None else v
+    return out
+
+
+def run(config: RunConfig, until_step: int | None = None) -> dict[str, float]:
+    trainer = Trainer(config)
+    try:
+        return trainer.train(until_step)
+    finally:
+        trainer.cleanup()
