@@ -10,19 +10,28 @@ def register(sub: argparse._SubParsersAction) -> None:
         "export",
         help="write a head (or training checkpoint) as eyas, SGLang, speculators/vLLM or EAGLE-1 layout",
         description="Export a trained draft head. HEAD_OR_CHECKPOINT is a head folder (any supported layout) or a "
-        "training checkpoint folder. The output is written atomically: an interrupted export leaves no half-written folder.",
+        "training checkpoint folder. The output is written atomically: an interrupted export leaves no half-written folder. "
+        "Weights keep their dtype. SGLang and speculators hold EAGLE-3 heads (SGLang: one decoder layer), "
+        "eagle holds EAGLE-1 heads. Foreign layouts carry no tokenizer fingerprint, so a head exported to one and "
+        "imported back is checked against its target by hidden size, vocab size and layer count only.",
+        epilog="example: eyas export runs/smollm2/checkpoints/step-00002000 --out heads/smollm2-sglang --format sglang",
     )
     p.add_argument("source", metavar="HEAD_OR_CHECKPOINT", help="head folder or training checkpoint folder")
     p.add_argument("--out", required=True, help="output folder (replaced atomically if it exists)")
     p.add_argument("--format", default="eyas", choices=["eyas", "sglang", "speculators", "eagle"],
                    help="eyas: native (default); sglang: LlamaForCausalLMEagle3 layout (EAGLE-3 reference); "
                    "speculators: vLLM's speculators eagle3 layout; eagle: EAGLE-1 reference layout")
+    p.add_argument("--target", default=None, metavar="SPEC",
+                   help="target model (folder, .gguf, hub id or smollm2-135m) to check the head against; needed only "
+                   "for a foreign EAGLE-3 head whose config does not record its fused layers (they default to 2, N//2, N-3)")
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
     from .interop import export_head
+    from .target import Target
 
-    out = export_head(args.source, args.out, args.format)
+    target = Target.load(args.target) if args.target else None
+    out = export_head(args.source, args.out, args.format, target)
     print(f"wrote {args.format} head to {out}")
     return 0

@@ -204,15 +204,17 @@ def _to_eyas_state(layout: str, foreign: dict[str, torch.Tensor], config: HeadCo
 
 # ---- export ---------------------------------------------------------------------------------
 
-def export_head(source: str | Path, out: str | Path, format: str = "eyas") -> Path:
+def export_head(source: str | Path, out: str | Path, format: str = "eyas", target=None) -> Path:
     """Write the head in `source` (a head folder in any layout, or a training checkpoint holding `head/`) as `format`.
 
     The output folder is written atomically; weights keep the source's floating-point dtype.
+    `target` (an eyas Target) is checked against the head, and needed only for foreign EAGLE-3
+    heads that do not record their fused layers.
     """
     if format not in FORMATS:
         raise ValueError(f"unknown export format {format!r}; choose one of {FORMATS}")
     folder = _head_folder(Path(source))
-    head = load_head(folder)
+    head = load_head(folder, target)
     head.to(_stored_dtype(folder))
     if format == "eyas":
         return save_head(head, out)

@@ -127,6 +127,10 @@ def test_sglang_head_without_layer_ids_uses_target_defaults(tmp_path):
     assert load_head(tmp_path / "s", target).config.fused_layer_ids == (2, 4, 5)
     with pytest.raises(ValueError, match="does not record the fused target layers"):
         load_head(tmp_path / "s")
+    with pytest.raises(ValueError, match="does not record the fused target layers"):
+        export_head(tmp_path / "s", tmp_path / "e", "eyas")
+    export_head(tmp_path / "s", tmp_path / "e", "eyas", target)  # the target supplies the defaults
+    assert json.loads((tmp_path / "e" / "config.json").read_text())["fused_layer_ids"] == [2, 4, 5]
 
 
 def test_export_cli_from_training_checkpoint(tmp_path, capsys):
