@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from eyas.models import DraftHead
+from eyas.models import DraftHead, HeadOutput
 
 from .config import LossConfig
 
@@ -82,31 +82,43 @@ def eagle1_loss(head: DraftHead, input_ids: torch.Tensor, valid: torch.Tensor, t
     return loss, metrics
 
 
+def ttt_unroll(head: DraftHead, input_ids: torch.Tensor, hidden: torch.Tensor, steps: int) -> list[HeadOutput]:
+    """The K draft steps of training-time test over every index at once.
+
+    input_ids [B, T]; hidden [B, T-1, H] the fused step-0 input. Returns one HeadOutput
+    (logits [B, T-1, Dv], hidden [B, T-1, H]) per step; step i at index t is what inference computes
+    for draft depth i after the target's token t+1 (see the module docstring).
+    """
+    b, n = hidden.shape[:2]
+    cache = head.new_cache()
+    outputs = []
+    for i in range(min(steps, n)):
+        ids = torch.cat([input_ids[:, 1 + i:], input_ids.new_zeros(b, i)], dim=1)  # [B, n], zeros past the end
+        position_ids = (torch.arange(n, device=input_ids.device) + i).expand(b, -1)
+        out = head(ids, hidden, position_ids, ttt_mask(n, i, b, input_ids.device), cache)
+        hidden = out.hidden
+        outputs.append(out)
+    return outputs
+
+
 def eagle3_ttt_loss(head: DraftHead, input_ids: torch.Tensor, valid: torch.Tensor, target_features: torch.Tensor,
                     target_logits: torch.Tensor, config: LossConfig) -> tuple[torch.Tensor, Metrics]:
     """input_ids, valid [B, T]; target_features [B, T, F] fused-layer inputs; target_logits [B, T, V]."""
     b, t = input_ids.shape
-    n = t - 1  # query indices 0..n-1: each needs the next token ids[t+1]
-    device = input_ids.device
-    draft_to_target = head.draft_to_target
     target_top = target_logits.argmax(-1)  # [B, T] in target ids
     in_vocab = head.t2d[target_top]  # [B, T]
-    restricted = target_logits.gather(-1, draft_to_target.expand(b, t, -1))  # [B, T, Dv]
-    hidden = feature_noise(head.fuse(target_features[:, :n]), config.feature_noise)
-    cache = head.new_cache()
+    restricted = target_logits.gather(-1, head.draft_to_target.expand(b, t, -1))  # [B, T, Dv]
+    hidden = feature_noise(head.fuse(target_features[:, : t - 1]), config.feature_noise)
     loss = target_logits.new_zeros((), dtype=torch.float32)
     metrics: Metrics = {}
-    for i in range(min(config.ttt_steps, n)):
-        ids = torch.cat([input_ids[:, 1 + i:], input_ids.new_zeros(b, i)], dim=1)  # [B, n], zeros past the end
-        position_ids = (torch.arange(n, device=device) + i).expand(b, -1)
-        out = head(ids, hidden, position_ids, ttt_mask(n, i, b, device), cache)
-        hidden = out.hidden
-        m = n - i  # only indices whose target logits t+1+i exist
+    for i, out in enumerate(ttt_unroll(head, input_ids, hidden, config.ttt_steps)):
+        m = t - 1 - i  # only indices whose target logits (at t+1+i) exist
+        logits = out.logits[:, :m]
         keep = valid[:, 1 + i:].float()  # [B, m]
         count = keep.sum()
-        step_loss = (soft_cross_entropy(out.logits[:, :m], restricted[:, 1 + i:]) * keep).sum() / count.clamp(min=1)
+        step_loss = (soft_cross_entropy(logits, restricted[:, 1 + i:]) * keep).sum() / count.clamp(min=1)
         loss = loss + config.step_decay ** i * step_loss
-        hit = head.to_target_ids(out.logits[:, :m].argmax(-1)) == target_top[:, 1 + i:]
+        hit = head.to_target_ids(logits.argmax(-1)) == target_top[:, 1 + i:]
         metrics[f"loss/step{i}"] = step_loss.detach() * count
         metrics[f"correct/step{i}"] = (hit.float() * keep).sum()
         metrics[f"count/step{i}"] = count
