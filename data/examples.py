@@ -47,13 +47,12 @@ def _example(row: dict, tokenizer: PreTrainedTokenizerBase, max_length: int, las
     if row["problem"]:
         return {**empty, "skip": row["problem"]}
     try:
-        r = render_with_mask(tokenizer, row["messages"], last_only, eos_ids)
+        r = render_with_mask(tokenizer, row["messages"], last_only, eos_ids, max_tokens=max_length)
     except TemplateError:
         return {**empty, "skip": "template_error"}
-    ids, mask = r.input_ids[:max_length], r.loss_mask[:max_length]
-    if not any(mask):
-        return {**empty, "skip": "too_long" if any(r.loss_mask) else "no_assistant_turn"}
-    return {"input_ids": ids, "loss_mask": mask, "skip": ""}
+    if not any(r.loss_mask):  # sources guarantee a non-empty assistant turn, so it was cut off
+        return {**empty, "skip": "too_long"}
+    return {"input_ids": r.input_ids, "loss_mask": r.loss_mask, "skip": ""}
 
 
 def build_examples(

@@ -185,3 +185,18 @@ def test_split_is_deterministic_and_disjoint():
     assert not {i[0] for i in train["input_ids"]} & {i[0] for i in held["input_ids"]}
     with pytest.raises(ValueError, match="held_out"):
         split_examples(ds, held_out=100)
+
+
+def test_truncation_keeps_the_first_tokens_exactly():
+    long = [{"role": "user", "content": " ".join(f"w{i % 250}" for i in range(900))},
+            {"role": "assistant", "content": " ".join(f"w{i % 7}" for i in range(900))}]
+    toks = [tiny_tokenizer()]
+    try:
+        toks.append(smollm2_tokenizer())
+    except pytest.skip.Exception:
+        pass
+    for tok in toks:
+        full = render_with_mask(tok, long)
+        for n in (5, 300, 1000):
+            cut = render_with_mask(tok, long, max_tokens=n)
+            assert (cut.input_ids, cut.loss_mask) == (full.input_ids[:n], full.loss_mask[:n])
