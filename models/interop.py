@@ -134,8 +134,8 @@ def _shape_from_llama(d: dict[str, Any], where: str) -> dict[str, Any]:
     """HeadConfig shape fields from a Llama-style config dict; refuses what the eyas layer cannot run."""
     if d.get("hidden_act", "silu") != "silu":
         raise ValueError(f"{where}: hidden_act {d['hidden_act']!r} is not supported (eyas heads use silu)")
-    if d.get("mlp_bias"):
-        raise ValueError(f"{where}: mlp_bias heads are not supported")
+    if d.get("mlp_bias") or d.get("attention_bias"):
+        raise ValueError(f"{where}: mlp_bias/attention_bias heads are not supported (Llama's attention_bias also biases o_proj)")
     rope = d.get("rope_parameters") or {}
     scaling = d.get("rope_scaling") or ({"rope_type": rope["rope_type"]} if rope.get("rope_type", "default") != "default" else None)
     if scaling:
@@ -153,7 +153,6 @@ def _shape_from_llama(d: dict[str, Any], where: str) -> dict[str, Any]:
         rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
         rope_theta=float(d.get("rope_theta", rope.get("rope_theta", 10000.0))),
         max_position_embeddings=int(d.get("max_position_embeddings", 4096)),
-        attention_bias=bool(d.get("attention_bias", False)),
     )
 
 
@@ -180,6 +179,8 @@ def _rename(key: str, pairs: list[tuple[str, str]]) -> str:
 
 def _to_eyas_state(layout: str, foreign: dict[str, torch.Tensor], config: HeadConfig, folder: Path) -> dict[str, torch.Tensor]:
     """Rename foreign keys to ours, fill optional vocab maps, and check every key and shape."""
+    if "fc.weight" not in foreign:
+        raise ValueError(f"{folder}: no fc.weight among its weights, so it is not an EAGLE draft head (a full model folder?)")
     back = [(new, old) for old, new in RENAMES[layout]]
     state = {_rename(k, back): v for k, v in foreign.items() if k not in BORROWED_KEYS}
     if config.head_type == "eagle3":
@@ -246,13 +247,15 @@ def _foreign_config(format: str, c: HeadConfig, dtype: torch.dtype) -> dict[str,
     """config.json of `format` for head config `c` (see the module docstring for the layer-id conventions)."""
     if c.head_type != HEAD_TYPE[format]:
         raise ValueError(f"the {format} layout holds {HEAD_TYPE[format]} heads only; this head is {c.head_type}")
+    if c.attention_bias:
+        raise ValueError("a head with q/k/v biases has no Llama-config equivalent (Llama's attention_bias also biases o_proj)")
     if c.num_layers > MAX_LAYERS.get(format, c.num_layers):
         raise ValueError(f"the {format} layout holds exactly {MAX_LAYERS[format]} decoder layer; this head has {c.num_layers}")
     llama = {
         "model_type": "llama", "hidden_size": c.hidden_size, "intermediate_size": c.intermediate_size,
         "num_attention_heads": c.num_attention_heads, "num_key_value_heads": c.num_key_value_heads,
         "head_dim": c.head_dim, "hidden_act": "silu", "rms_norm_eps": c.rms_norm_eps, "rope_theta": c.rope_theta,
-        "rope_scaling": None, "max_position_embeddings": c.max_position_embeddings, "attention_bias": c.attention_bias,
+        "rope_scaling": None, "max_position_embeddings": c.max_position_embeddings, "attention_bias": False,
         "vocab_size": c.vocab_size, "num_hidden_layers": c.num_layers, "tie_word_embeddings": False,
         "torch_dtype": str(dtype).removeprefix("torch."),
     }

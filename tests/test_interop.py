@@ -169,6 +169,9 @@ def test_export_refusals_are_clear_and_write_nothing(tmp_path, capsys):
     save_head(last, tmp_path / "last")
     with pytest.raises(ValueError, match="final \\*normed\\* state"):
         export_head(tmp_path / "last", tmp_path / "x", "speculators")
+    save_head(DraftHead(head_config_for(target, "eagle3", attention_bias=True), target), tmp_path / "qkv_bias")
+    with pytest.raises(ValueError, match="no Llama-config equivalent"):
+        export_head(tmp_path / "qkv_bias", tmp_path / "x", "sglang")
     with pytest.raises(ValueError, match="unknown export format"):
         export_head(tmp_path / "e1", tmp_path / "x", "onnx")
     with pytest.raises(FileNotFoundError, match="training checkpoint"):
@@ -193,6 +196,13 @@ def test_foreign_load_errors_name_the_problem(tmp_path):
     _write_foreign(tmp_path / "bert", {"architectures": ["BertModel"]}, weights)
     with pytest.raises(ValueError, match="unknown head layout"):
         load_head(tmp_path / "bert")
+    _write_foreign(tmp_path / "model", {**config, "architectures": ["LlamaForCausalLM"]},
+                   {"model.embed_tokens.weight": torch.zeros(320, 64)})
+    with pytest.raises(ValueError, match="not an EAGLE draft head"):
+        load_head(tmp_path / "model")
+    _write_foreign(tmp_path / "bias", {**config, "attention_bias": True}, weights)
+    with pytest.raises(ValueError, match="attention_bias"):
+        load_head(tmp_path / "bias")
     _write_foreign(tmp_path / "noweights", config, None)
     with pytest.raises(FileNotFoundError, match="model.safetensors"):
         load_head(tmp_path / "noweights")
