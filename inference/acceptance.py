@@ -1,0 +1,109 @@
+"""Which draft tokens the target accepts. Pure functions; names as in the papers: p = target, q = draft.
+
+Greedy: walk the tree from the root, at each node following the child whose token equals the
+target's argmax there; the bonus token is the target's argmax at the last accepted node.
+
+Sampling (temperature > 0): recursive rejection sampling over each node's children (SpecInfer,
+EAGLE-2). Child x_j, proposed from q_j, is accepted with probability min(1, p(x_j) / q_j(x_j));
+on rejection p <- norm(max(p - q_j, 0)) and the next child is tried; when all are rejected the
+bonus token is drawn from what is left of p. This preserves p exactly only if x_j really is a
+sample from q_j. Our drafters (like EAGLE's) pick children deterministically -- the top-k of
+the draft -- so the only proposal distribution they sample from is the point mass q_j = δ(x_j).
+As in the EAGLE reference (evaluate_posterior, `qx = 1.0`) we use exactly that:
+
+    accept x_j with probability p(x_j);  on rejection p <- p with x_j zeroed, renormalised.
+
+Chaining these steps over distinct children x_1..x_k returns x_j with probability p(x_j) and
+otherwise a draw from p restricted to the other tokens: in total, a draw y ~ p, with the rule
+"descend into the child whose token is y". That is the form implemented below: draw y ~ p at
+every node at once (one tensor op), then walk. It is exact for any tree chosen without looking
+at the verification randomness -- top-k, dynamic reranking, a perfect oracle alike -- and
+greedy is its temperature -> 0 limit (y = argmax p). Using the head's soft q with top-k
+children would be biased. top-k / top-p shape p only; with q = δ there is nothing to shape on q.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from .tree import DraftTree, path_to
+
+
+@dataclass(frozen=True)
+class Sampling:
+    temperature: float = 0.0  # 0 = greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = off
+
+    def __post_init__(self) -> None:
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0 (0 = off), got {self.top_k}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+def target_distribution(logits: torch.Tensor, s: Sampling) -> torch.Tensor:
+    """logits [..., V] -> p [..., V]: temperature, then top-k, then top-p (nucleus), renormalised."""
+    x = logits.float() / s.temperature
+    if s.top_k > 0:
+        kth = x.topk(min(s.top_k, x.shape[-1]), dim=-1).values[..., -1:]
+        x = x.masked_fill(x < kth, float("-inf"))
+    if s.top_p < 1:
+        sorted_x, order = x.sort(dim=-1, descending=True)
+        probs = sorted_x.softmax(-1)
+        # drop a token when the tokens ranked above it already cover top_p (the top one always stays)
+        drop = probs.cumsum(-1) - probs >= s.top_p
+        x = x.masked_fill(drop.scatter(-1, order, drop), float("-inf"))
+    return x.softmax(-1)
+
+
+def target_tokens(logits: torch.Tensor, s: Sampling, generator: torch.Generator | None = None) -> torch.Tensor:
+    """The target's choice y at each position: argmax (greedy) or a draw from p. [B, N, V] -> [B, N]."""
+    if s.greedy:
+        return logits.argmax(-1)
+    p = target_distribution(logits, s)
+    return torch.multinomial(p.view(-1, p.shape[-1]), 1, generator=generator).view(p.shape[:-1])
+
+
+# A verifier maps the target's logits over a tree to its choice y at every node; tests inject biased ones.
+Verifier = Callable[[torch.Tensor, DraftTree, Sampling, "torch.Generator | None"], torch.Tensor]
+
+
+def verify(logits: torch.Tensor, tree: DraftTree, s: Sampling, generator: torch.Generator | None = None) -> torch.Tensor:
+    """Default verifier: y [B, N] with y ~ p (or argmax p) at every node, independent of the draft."""
+    return target_tokens(logits, s, generator)
+
+
+@dataclass
+class Accepted:
+    path: torch.Tensor  # [B, A] node indices root..last accepted node, padded by repeating the last
+    length: torch.Tensor  # [B] nodes on the path = accepted drafts + 1 = tokens gained this cycle
+    bonus: torch.Tensor  # [B] y at the last accepted node: the next root
+
+
+def accept(tree: DraftTree, y: torch.Tensor, ancestors: torch.Tensor) -> Accepted:
+    """Walk the tree following y: a node is accepted when its token is y at its parent and its parent is.
+
+    y [B, N]; ancestors [B, N, N] from tree.ancestors(). Siblings carry distinct tokens, so at most one
+    node per depth is accepted and the accepted nodes form one path.
+    """
+    parent = tree.parents.clamp(min=0)
+    match = tree.tokens == y.gather(1, parent)  # [B, N]: node i is the target's choice after its parent
+    match[:, 0] = True
+    ok = match.clone()
+    for _ in range(int(tree.depth.max())):  # a node is accepted iff every node on its path matches
+        ok = match & ok.gather(1, parent)
+    depth = torch.where(ok, tree.depth, -1)
+    last = depth.argmax(1)  # the deepest accepted node
+    length = depth.max(1).values + 1
+    path = path_to(ancestors, last, int(length.max()))
+    return Accepted(path=path, length=length, bonus=y.gather(1, last[:, None])[:, 0])

@@ -1,0 +1,248 @@
+"""Speculative generation: prefill, then draft -> verify -> accept -> advance until every row is done.
+
+Batches hold prompts of different lengths: left padding plus a `valid` mask over cache slots.
+Rows accept different numbers of tokens per cycle; each keeps prefix + its own accepted path in
+the target cache and, to keep one rectangular cache, pads shorter paths with slots it marks
+invalid and never attends to again. The head cache mirrors the target cache slot for slot, so one
+`valid` mask serves both. Only the CLI prints; generation returns tokens and stats.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Iterator, Sequence, Union
+
+import torch
+
+from eyas.models import DraftHead, Target
+
+from .acceptance import Sampling, Verifier, accept, target_tokens, verify
+from .drafter import DraftContext, Drafter, HeadDrafter, TreeOptions
+from .tree import tree_attention
+
+Prompt = Union[Sequence[int], torch.Tensor, str, Sequence[dict]]
+
+
+@dataclass
+class GenerationStats:
+    accepted: list[int] = field(default_factory=list)  # tokens gained per verify forward (accepted drafts + 1)
+    draft_time_s: float = 0.0  # head forwards: catch-up on accepted tokens + drafting
+    target_time_s: float = 0.0  # target forwards: prefill + verifies
+    total_time_s: float = 0.0  # the whole call; total - draft - target = engine overhead
+    prefill_time_s: float = 0.0  # part of target_time_s spent on the prompt
+
+    @property
+    def mean_accepted(self) -> float:
+        """τ: mean tokens per target forward after the prefill."""
+        return sum(self.accepted) / max(1, len(self.accepted))
+
+
+@dataclass
+class GenerationResult:
+    tokens: list[int]  # new tokens only, eos included if hit
+    text: str
+    stats: GenerationStats
+
+
+class _Row:
+    """One prompt's output so far, and when it must stop (eos, stop string, length)."""
+
+    def __init__(self, tokenizer, max_new_tokens: int, eos: set[int], stop: Sequence[str]) -> None:
+        self.tokenizer, self.max_new_tokens, self.eos, self.stop = tokenizer, max_new_tokens, eos, list(stop)
+        self.tokens: list[int] = []
+        self.done = max_new_tokens <= 0
+
+    def add(self, new: list[int]) -> None:
+        start = len(self.tokens)
+        for t in new:
+            self.tokens.append(t)
+            if t in self.eos or len(self.tokens) >= self.max_new_tokens:
+                self.done = True
+                break
+        if self.stop and any(s in self.text for s in self.stop):
+            # keep the shortest output that contains a stop string (like transformers' stop_strings)
+            for end in range(start + 1, len(self.tokens) + 1):
+                if any(s in self.tokenizer.decode(self.tokens[:end], skip_special_tokens=True) for s in self.stop):
+                    del self.tokens[end:]
+                    break
+            self.done = True
+
+    @property
+    def text(self) -> str:
+        return self.tokenizer.decode(self.tokens, skip_special_tokens=True)
+
+
+class SpeculativeGenerator:
+    def __init__(self, target: Target, head: DraftHead, options: TreeOptions | None = None,
+                 drafter: Drafter | None = None, verifier: Verifier = verify) -> None:
+        """`drafter` replaces the head drafter (tests use an oracle); `verifier` the acceptance rule (tests bias it)."""
+        self.target, self.head = target, head
+        self.options = options or TreeOptions()
+        self.total_tokens = self.options.total_tokens  # "auto" until tuned on the first generate
+        self.drafter = drafter or HeadDrafter(head, self.options.expansion())
+        self.verifier = verifier
+        self.layer_ids = tuple(head.config.fused_layer_ids)
+
+    @classmethod
+    def from_pretrained(cls, target: str | Target, head: str | DraftHead, dtype: str = "fp32",
+                        **tree_options) -> "SpeculativeGenerator":
+        """target: a Target or a spec for Target.load; head: a DraftHead or a head folder."""
+        from eyas.models import load_head
+
+        if isinstance(target, str):
+            target = Target.load(target, dtype=dtype)
+        if isinstance(head, str):
+            head = load_head(head, target)
+        head.bind(target)
+        head.to(device=target.device, dtype=target.dtype)
+        return cls(target, head, TreeOptions(**tree_options))
+
+    # ---- public API ---------------------------------------------------------------------------
+    def generate(self, prompt: Prompt, **kw) -> GenerationResult:
+        return self.generate_batch([prompt], **kw)[0]
+
+    def generate_batch(self, prompts: Sequence[Prompt], max_new_tokens: int = 256, temperature: float = 0.0,
+                       top_p: float = 1.0, top_k: int = 0, eos_token_id: int | Sequence[int] | None = None,
+                       stop: Sequence[str] | None = None, seed: int | None = None) -> list[GenerationResult]:
+        rows, stats = self._rows(len(prompts), max_new_tokens, eos_token_id, stop)
+        for _ in self._decode([self.encode(p) for p in prompts], rows, stats, Sampling(temperature, top_p, top_k), seed):
+            pass
+        return [GenerationResult(r.tokens, r.text, s) for r, s in zip(rows, stats)]
+
+    def stream(self, prompt: Prompt, max_new_tokens: int = 256, temperature: float = 0.0, top_p: float = 1.0,
+               top_k: int = 0, eos_token_id: int | Sequence[int] | None = None, stop: Sequence[str] | None = None,
+               seed: int | None = None, stats: GenerationStats | None = None) -> Iterator[str]:
+        """Yield text pieces as tokens are accepted. Pass `stats` to have them filled in."""
+        rows, all_stats = self._rows(1, max_new_tokens, eos_token_id, stop, [stats] if stats is not None else None)
+        shown = ""
+        for _ in self._decode([self.encode(prompt)], rows, all_stats, Sampling(temperature, top_p, top_k), seed):
+            text = rows[0].text
+            # hold back an incomplete UTF-8 character; re-decoding the whole output keeps merges right
+            if text.startswith(shown) and not text.endswith("\ufffd") and len(text) > len(shown):
+                yield text[len(shown):]
+                shown = text
+        text = rows[0].text
+        if text.startswith(shown) and len(text) > len(shown):
+            yield text[len(shown):]
+
+    def encode(self, prompt: Prompt) -> list[int]:
+        """Token ids, text (tokenised as is) or chat messages (chat template + generation prompt)."""
+        tok = self.target.tokenizer
+        if isinstance(prompt, torch.Tensor):
+            return prompt.flatten().tolist()
+        if isinstance(prompt, str):
+            ids = tok(prompt).input_ids
+        elif prompt and isinstance(prompt[0], dict):
+            ids = tok.apply_chat_template(list(prompt), add_generation_prompt=True, tokenize=True)
+            ids = ids["input_ids"] if not isinstance(ids, list) else ids
+        else:
+            ids = [int(t) for t in prompt]
+        if not ids:
+            raise ValueError("the prompt is empty: give at least one token")
+        return list(ids)
+
+    # ---- the loop -----------------------------------------------------------------------------
+    def _rows(self, n: int, max_new_tokens: int, eos_token_id, stop, stats=None):
+        if eos_token_id is None:
+            eos_token_id = self.target.model.generation_config.eos_token_id
+            if eos_token_id is None and self.target.tokenizer is not None:
+                eos_token_id = self.target.tokenizer.eos_token_id
+        eos = {eos_token_id} if isinstance(eos_token_id, int) else set(eos_token_id or ())
+        rows = [_Row(self.target.tokenizer, max_new_tokens, eos, stop or ()) for _ in range(n)]
+        return rows, stats or [GenerationStats() for _ in range(n)]
+
+    def _features(self, out) -> torch.Tensor:
+        return out.features if self.layer_ids else out.hidden
+
+    @torch.no_grad()
+    def _decode(self, prompts: list[list[int]], rows: list[_Row], stats: list[GenerationStats], s: Sampling,
+                seed: int | None) -> Iterator[None]:
+        """Run until every row is done, filling rows and stats; yields after each cycle (for streaming)."""
+        target, dev = self.target, self.target.device
+        clock = _Clock(dev)
+        start = clock()
+        gen = torch.Generator(dev).manual_seed(seed) if seed is not None else None
+        b, t = len(prompts), max(len(p) for p in prompts)
+        pad = target.tokenizer.pad_token_id if target.tokenizer is not None and target.tokenizer.pad_token_id is not None else 0
+        ids = torch.tensor([[pad] * (t - len(p)) + p for p in prompts], device=dev)
+        valid = torch.tensor([[False] * (t - len(p)) + [True] * len(p) for p in prompts], device=dev)
+        pos = (valid.cumsum(1) - 1).clamp(min=0)
+        cache = target.new_cache()
+        causal = torch.ones(t, t, dtype=torch.bool, device=dev).tril()
+        mask = causal & (valid[:, None, :] | torch.eye(t, dtype=torch.bool, device=dev))
+
+        t0 = clock()
+        out = target(ids, pos, mask, cache, layer_ids=self.layer_ids, logits_to_keep=torch.full((b, 1), t - 1, device=dev))
+        root = target_tokens(out.logits, s, gen)[:, 0]
+        prefill = clock() - t0
+        for st in stats:
+            st.prefill_time_s = st.target_time_s = prefill
+        ctx = DraftContext(tokens=torch.cat([ids[:, 1:], root[:, None]], 1), features=self._features(out),
+                           positions=pos, valid=valid)
+        next_pos = pos[:, -1] + 1
+        self.drafter.reset()
+        if self.total_tokens == "auto" and isinstance(self.drafter, HeadDrafter):
+            self._tune(cache, ctx, next_pos)
+        for r, tok in zip(rows, root.tolist()):
+            r.add([tok])
+        yield
+
+        while not all(r.done for r in rows):
+            t0 = clock()
+            tree = self.drafter.draft(ctx)
+            t1 = clock()
+            anc = tree.ancestors()
+            past = valid.shape[1]
+            out = target(tree.tokens, next_pos[:, None] + tree.depth, tree_attention(valid, anc), cache,
+                         layer_ids=self.layer_ids)
+            t2 = clock()
+            acc = accept(tree, self.verifier(out.logits, tree, s, gen), anc)
+            a = acc.path.shape[1]
+            Target.keep_cache(cache, torch.cat([torch.arange(past, device=dev).expand(b, -1), past + acc.path], 1))
+            path_tokens = tree.tokens.gather(1, acc.path)
+            steps = torch.arange(a, device=dev)
+            # EAGLE shift: the token after each path node is the next path node, or the bonus after the last
+            after = torch.where(steps == (acc.length - 1)[:, None], acc.bonus[:, None],
+                                torch.cat([path_tokens[:, 1:], path_tokens[:, -1:]], 1))
+            feats = self._features(out)
+            ctx = DraftContext(tokens=after, features=feats.gather(1, acc.path[..., None].expand(-1, -1, feats.shape[-1])),
+                               positions=next_pos[:, None] + steps, valid=torch.cat([valid, steps < acc.length[:, None]], 1))
+            valid = ctx.valid
+            next_pos = next_pos + acc.length
+            lengths = acc.length.tolist()
+            for r, st, toks, n in zip(rows, stats, after.tolist(), lengths):
+                if not r.done:
+                    r.add(toks[:n])
+                    st.accepted.append(n)
+                st.draft_time_s += t1 - t0
+                st.target_time_s += t2 - t1
+            yield
+        total = clock() - start
+        for st in stats:
+            st.total_time_s = total
+
+    def _tune(self, cache, ctx: DraftContext, next_pos: torch.Tensor) -> None:
+        """Measure target cost per tree size, draft one large tree for confidences, fix total_tokens."""
+        from .tuning import measure_target_cost, pick_total_tokens
+
+        costs = measure_target_cost(self.target, cache, ctx.valid, next_pos)
+        probe = HeadDrafter(self.head, self.options.expansion(max(costs)))
+        probe.reset()
+        t0 = time.perf_counter()
+        tree = probe.draft(ctx)
+        self.total_tokens = pick_total_tokens(costs, tree.scores[:, 1:], time.perf_counter() - t0)
+        self.drafter = HeadDrafter(self.head, self.options.expansion(self.total_tokens))
+        self.drafter.reset()
+
+
+class _Clock:
+    """Wall time; waits for queued GPU work so each phase is charged to itself."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.sync = torch.cuda.synchronize if device.type == "cuda" else None
+
+    def __call__(self) -> float:
+        if self.sync is not None:
+            self.sync()
+        return time.perf_counter()

@@ -1,0 +1,87 @@
+"""Draft trees: the tokens a drafter proposes, how they hang together, and the attention they imply.
+
+Node 0 is the root: the last accepted token, which the target has not processed yet. Every other
+node is a draft token whose parent has a smaller index, so index order is topological and a path
+read in index order runs root -> leaf. A chain is the tree whose node i has parent i - 1.
+Rows of a batch hold trees of the same size, each with its own shape.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class DraftTree:
+    tokens: torch.Tensor  # [B, N] target token ids; N = 1 + number of draft nodes
+    parents: torch.Tensor  # [B, N] parent index, -1 for the root; parents[:, i] < i
+    depth: torch.Tensor  # [B, N] 0 at the root
+    scores: torch.Tensor  # [B, N] cumulative draft log-probability (0 at the root)
+
+    @property
+    def size(self) -> int:
+        return self.tokens.shape[1]
+
+    def ancestors(self) -> torch.Tensor:
+        """[B, N, N] bool: node j is node i itself or one of its ancestors."""
+        return ancestor_mask(self.parents, int(self.depth.max()))
+
+
+def ancestor_mask(parents: torch.Tensor, max_depth: int) -> torch.Tensor:
+    """parents [B, N] (-1 = none) -> [B, N, N] bool, self included. Pointer-jumps once per level."""
+    b, n = parents.shape
+    anc = torch.eye(n, dtype=torch.bool, device=parents.device).expand(b, n, n).clone()
+    cur = parents
+    for _ in range(max_depth):
+        has = cur >= 0
+        anc |= torch.nn.functional.one_hot(cur.clamp(min=0), n).bool() & has[..., None]
+        cur = torch.where(has, parents.gather(1, cur.clamp(min=0)), cur)
+    return anc
+
+
+def tree_attention(valid: torch.Tensor, ancestors: torch.Tensor) -> torch.Tensor:
+    """valid [B, L] (real tokens in the cache) + ancestors [B, N, N] -> allowed [B, N, L+N]."""
+    b, n, _ = ancestors.shape
+    return torch.cat([valid[:, None, :].expand(b, n, -1), ancestors], dim=2)
+
+
+def path_to(ancestors: torch.Tensor, node: torch.Tensor, length: int) -> torch.Tensor:
+    """Node indices root..node [B, length]; shorter paths repeat their last node (callers mask them).
+
+    ancestors [B, N, N]; node [B]. Index order is root-to-leaf order because parents precede children.
+    """
+    row = ancestors.gather(1, node[:, None, None].expand(-1, 1, ancestors.shape[2]))[:, 0]  # [B, N]
+    n = row.shape[1]
+    key = torch.where(row, torch.arange(n, device=row.device), n)
+    path = key.sort(dim=1).values[:, :length]
+    return torch.where(path == n, node[:, None], path)
+
+
+# ---- static shapes -------------------------------------------------------------------------
+# A static tree is a set of paths of child ranks from the root: (0,) is the draft's top-1 token,
+# (0, 1) the second-best continuation of it. Sized for CPUs (16 nodes, depth 5); EAGLE-1's
+# mc_sim_7b_63 has the same form with 63 nodes.
+DEFAULT_PATHS: tuple[tuple[int, ...], ...] = (
+    (0,), (1,), (2,), (3,),
+    (0, 0), (0, 1), (0, 2), (1, 0), (1, 1), (2, 0),
+    (0, 0, 0), (0, 0, 1), (0, 1, 0), (1, 0, 0),
+    (0, 0, 0, 0), (0, 0, 0, 0, 0),
+)
+
+
+def chain_paths(depth: int) -> tuple[tuple[int, ...], ...]:
+    return tuple((0,) * d for d in range(1, depth + 1))
+
+
+def check_paths(paths: tuple[tuple[int, ...], ...]) -> None:
+    """Every path's prefix must be a path too, else a node would hang off nothing."""
+    have = set(paths)
+    if len(have) != len(paths):
+        raise ValueError("static tree paths contain duplicates")
+    for p in paths:
+        if not p or min(p) < 0:
+            raise ValueError(f"static tree path {p} must be a non-empty tuple of child ranks >= 0")
+        if len(p) > 1 and p[:-1] not in have:
+            raise ValueError(f"static tree path {p} has no parent path {p[:-1]}; add it")
