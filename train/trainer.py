@@ -200,9 +200,8 @@ class Trainer:
         return bool(flags[0] > 0), bool(flags[1] > 0)
 
     # ---- the loop --------------------------------------------------------------------------------
-    def train(self, until_step: int | None = None) -> dict[str, float]:
-        """Train to schedule end (or `until_step`, then checkpoint and stop as a SIGINT would).
-        Returns the final held-out metrics."""
+    def train(self) -> dict[str, float]:
+        """Train to the end of the schedule; returns the final held-out metrics ({} if stopped by a signal)."""
         from tqdm.auto import tqdm
 
         acc, c = self.accelerator, self.config
@@ -249,7 +248,7 @@ class Trainer:
                     self.evaluate()
                 if self.step % c.checkpoint.every == 0:
                     self.save()
-                if stop or self.step == until_step:  # `stop` is agreed by all ranks
+                if stop:  # agreed by all ranks, so all save and leave together
                     stopped = True
                     break
         finally:
@@ -369,9 +368,9 @@ def _flat(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     return out
 
 
-def run(config: RunConfig, until_step: int | None = None) -> dict[str, float]:
+def run(config: RunConfig) -> dict[str, float]:
     trainer = Trainer(config)
     try:
-        return trainer.train(until_step)
+        return trainer.train()
     finally:
         trainer.cleanup()

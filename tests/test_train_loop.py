@@ -1,0 +1,102 @@
+"""One-process training on a tiny target: loss falls (EAGLE-1 and EAGLE-3), an interrupted run resumes
+to the same losses, NaN stops with the last checkpoint intact, the head lands where `eyas export` reads it."""
+
+import json
+import os
+import signal
+
+import pytest
+import torch
+
+from train_tiny import tiny_run_config
+
+from eyas.models import load_head
+from eyas.train import checkpoint
+from eyas.train.losses import DistillationLoss
+from eyas.train.trainer import NonFiniteLoss, Trainer, run
+
+
+@pytest.fixture(autouse=True)
+def fresh_accelerate_state(tmp_path, monkeypatch):
+    from accelerate.state import AcceleratorState, GradientState
+
+    monkeypatch.setenv("EYAS_CACHE", str(tmp_path / "cache"))
+    yield
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+
+
+def losses(run_dir):
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    by_step = {r["step"]: r["train/loss"] for r in rows if "train/loss" in r}
+    return [by_step[s] for s in sorted(by_step)]
+
+
+@pytest.mark.parametrize("head_type", ["eagle3", "eagle1"])
+def test_one_process_training_reduces_loss(tmp_path, head_type):
+    out = tmp_path / "run"
+    result = run(tiny_run_config(out, f"head.type={head_type}", "schedule.total_steps=10"))
+    curve = losses(out)
+    assert len(curve) == 10
+    assert sum(curve[-3:]) / 3 < curve[0]
+    assert "eval/tau" in result and result["eval/tau"] >= 1.0
+    head = load_head(out / "head")  # the final head, in eyas head format
+    assert head.config.head_type == head_type
+    assert (out / "config.yaml").is_file()
+    last = checkpoint.list_checkpoints(out)[-1]
+    assert last.name == "step-00000010" and (last / "head" / "config.json").is_file()
+
+
+def _interrupt_at(monkeypatch, step_to_stop: int):
+    """Send ourselves SIGINT during the forward of optimizer step `step_to_stop` (1-based)."""
+    calls = {"n": 0}
+    forward = DistillationLoss.forward
+
+    def patched(self, *args):
+        calls["n"] += 1
+        if calls["n"] == step_to_stop:
+            os.kill(os.getpid(), signal.SIGINT)
+        return forward(self, *args)
+
+    monkeypatch.setattr(DistillationLoss, "forward", patched)
+    return forward
+
+
+def test_interrupted_run_resumes_to_the_same_losses(tmp_path, monkeypatch):
+    common = ["schedule.total_steps=7", "loss.feature_noise=0.2", "checkpoint.every=4", "schedule.kind=cosine",
+              "logging.eval_batches=0"]
+    run(tiny_run_config(tmp_path / "straight", *common))
+
+    forward = _interrupt_at(monkeypatch, 3)
+    assert run(tiny_run_config(tmp_path / "resumed", *common)) == {}  # stopped by the signal
+    assert [p.name for p in checkpoint.list_checkpoints(tmp_path / "resumed")] == ["step-00000003"]
+    monkeypatch.setattr(DistillationLoss, "forward", forward)
+    from accelerate.state import AcceleratorState, GradientState
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+    run(tiny_run_config(tmp_path / "resumed", *common))
+    assert losses(tmp_path / "resumed") == pytest.approx(losses(tmp_path / "straight"), abs=1e-6)
+    a, b = load_head(tmp_path / "straight" / "head"), load_head(tmp_path / "resumed" / "head")
+    for (name, x), y in zip(a.state_dict().items(), b.state_dict().values()):
+        assert torch.allclose(x, y, atol=1e-6), name
+
+
+def test_nan_loss_stops_with_last_checkpoint_intact(tmp_path, monkeypatch):
+    calls = {"n": 0}
+    forward = DistillationLoss.forward
+
+    def poisoned(self, *args):
+        calls["n"] += 1
+        loss, metrics = forward(self, *args)
+        return (loss * float("nan") if calls["n"] == 3 else loss), metrics
+
+    monkeypatch.setattr(DistillationLoss, "forward", poisoned)
+    out = tmp_path / "run"
+    trainer = Trainer(tiny_run_config(out, "checkpoint.every=2", "schedule.total_steps=6"))
+    with pytest.raises(NonFiniteLoss, match=r"loss is nan at step 3.*step-00000002"):
+        trainer.train()
+    saved = checkpoint.list_checkpoints(out)
+    assert [p.name for p in saved] == ["step-00000002"]
+    head = load_head(saved[0] / "head")
+    assert all(torch.isfinite(v).all() for v in head.state_dict().values() if v.is_floating_point())
+    assert not (out / "head").exists()
