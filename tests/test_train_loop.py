@@ -8,7 +8,7 @@ import signal
 import pytest
 import torch
 
-from train_tiny import tiny_run_config
+from train_tiny import reset_accelerate, tiny_run_config
 
 from eyas.models import load_head
 from eyas.train import checkpoint
@@ -18,12 +18,9 @@ from eyas.train.trainer import NonFiniteLoss, Trainer, run
 
 @pytest.fixture(autouse=True)
 def fresh_accelerate_state(tmp_path, monkeypatch):
-    from accelerate.state import AcceleratorState, GradientState
-
     monkeypatch.setenv("EYAS_CACHE", str(tmp_path / "cache"))
     yield
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
+    reset_accelerate()
 
 
 def losses(run_dir):
@@ -35,16 +32,16 @@ def losses(run_dir):
 @pytest.mark.parametrize("head_type", ["eagle3", "eagle1"])
 def test_one_process_training_reduces_loss(tmp_path, head_type):
     out = tmp_path / "run"
-    result = run(tiny_run_config(out, f"head.type={head_type}", "schedule.total_steps=10"))
+    result = run(tiny_run_config(out, f"head.type={head_type}", "schedule.total_steps=6"))
     curve = losses(out)
-    assert len(curve) == 10
+    assert len(curve) == 6
     assert sum(curve[-3:]) / 3 < curve[0]
     assert "eval/tau" in result and result["eval/tau"] >= 1.0
     head = load_head(out / "head")  # the final head, in eyas head format
     assert head.config.head_type == head_type
     assert (out / "config.yaml").is_file()
     last = checkpoint.list_checkpoints(out)[-1]
-    assert last.name == "step-00000010" and (last / "head" / "config.json").is_file()
+    assert last.name == "step-00000006" and (last / "head" / "config.json").is_file()
 
 
 def _interrupt_at(monkeypatch, step_to_stop: int):
@@ -71,9 +68,7 @@ def test_interrupted_run_resumes_to_the_same_losses(tmp_path, monkeypatch):
     assert run(tiny_run_config(tmp_path / "resumed", *common)) == {}  # stopped by the signal
     assert [p.name for p in checkpoint.list_checkpoints(tmp_path / "resumed")] == ["step-00000003"]
     monkeypatch.setattr(DistillationLoss, "forward", forward)
-    from accelerate.state import AcceleratorState, GradientState
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
+    reset_accelerate()
     run(tiny_run_config(tmp_path / "resumed", *common))
     assert losses(tmp_path / "resumed") == pytest.approx(losses(tmp_path / "straight"), abs=1e-6)
     a, b = load_head(tmp_path / "straight" / "head"), load_head(tmp_path / "resumed" / "head")

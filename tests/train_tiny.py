@@ -45,3 +45,11 @@ def tiny_run_config(tmp: Path, *overrides: str) -> RunConfig:
         write_conversations(data)
     return load_config(TINY_CONFIG, [f"target.spec={target}", f"data.source={data}", f"output_dir={tmp}",
                                      *overrides])
+
+
+def reset_accelerate() -> None:
+    """Forget accelerate's process-wide state so the next in-process run builds a fresh Accelerator."""
+    from accelerate.state import AcceleratorState, GradientState
+
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 
 EPILOG = """examples:
   eyas train --config configs/smollm2-135m-eagle3.yaml
@@ -36,6 +37,6 @@ def train_command(args: argparse.Namespace) -> int:
         result = run(load_config(args.config, args.overrides))
     except (NonFiniteLoss, LaunchMismatch) as e:
         raise ValueError(str(e)) from e  # reported as one clear line by the caller
-    if result:
+    if result and os.environ.get("RANK", "0") == "0":
         print(" ".join(f"{k}={v:.4f}" for k, v in sorted(result.items())))
     return 0

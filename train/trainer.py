@@ -262,6 +262,7 @@ class Trainer:
             return {}
         if self.step % c.checkpoint.every:
             self.save()
+        self.check_replicas()
         result = self.evaluate()
         self.save_final()
         return result
@@ -322,6 +323,23 @@ class Trainer:
         self.log(f"step {self.step}: held-out tau {result['eval/tau']:.3f}, acc "
                  + " ".join(f"{result[k]:.3f}" for k in sorted(result) if k.startswith("eval/acc/")))
         return result
+
+    def check_replicas(self) -> None:
+        """Unsharded ranks must end with identical head weights; a silent loss of gradient sync fails here."""
+        acc = self.accelerator
+        params = [p for p in self.model.parameters() if p.numel()]
+        zero3 = acc.state.deepspeed_plugin is not None and acc.state.deepspeed_plugin.zero_stage == 3
+        if self.world == 1 or zero3 or acc.distributed_type.name == "FSDP":
+            return
+        flat = torch.cat([p.detach().double().flatten() for p in params])
+        probe = torch.rand(flat.numel(), generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+        digest = torch.stack([flat.sum(), flat.abs().sum(), (flat * probe.to(flat.device)).sum()])
+        every = acc.gather(digest[None]).cpu()  # [world, 3]
+        spread = (every - every[0]).abs().max().item()
+        self._emit({"replica_max_diff": spread})
+        if spread > 1e-6 * max(1.0, every[0].abs().max().item()):
+            raise LaunchMismatch(f"the {self.world} ranks hold different head weights (digest spread {spread:.3g}): "
+                                 "gradients were not synchronised; check the launch command")
 
     # ---- saving ----------------------------------------------------------------------------------
     def _head_state(self) -> dict[str, torch.Tensor] | None:
