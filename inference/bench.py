@@ -12,7 +12,7 @@ import json
 import os
 import platform
 import time
-from dataclasses import asdict, dataclass, is_dataclass
+from dataclasses import asdict, dataclass
 from importlib import metadata
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -126,18 +126,35 @@ def run_bench(
     candidate tokens. out: if set, write the report there atomically and a PNG beside it.
     tree_options go to SpeculativeGenerator.from_pretrained (kind, depth, top_k, total_tokens, paths).
     """
-    if threads is not None:
-        torch.set_num_threads(threads)
     if not isinstance(questions, (str, os.PathLike)):
         questions = list(questions)[:limit]
     else:
         questions = load_questions(questions, limit)
-    target, gen, options = load_generator(target, head, dtype, tree_options)
+    threads_before = torch.get_num_threads()
+    if threads is not None:
+        torch.set_num_threads(threads)
+    try:
+        report = _run(target, head, questions, max_new_tokens, temperature, top_p, top_k, dtype, prompt_lookup, seed,
+                      progress, tree_options)
+    finally:
+        torch.set_num_threads(threads_before)
+    if out is not None:
+        write_report(report, out)
+    return report
+
+
+def _run(target, head, questions: list[Question], max_new_tokens: int, temperature: float, top_p: float, top_k: int,
+         dtype: str, prompt_lookup: int | None, seed: int, progress: bool, tree_options: dict[str, Any]) -> dict:
+    target, gen = load_generator(target, head, dtype, tree_options)
     eos = eos_ids(target)
     sampling = temperature > 0
-    base_config = _generation_config(target, max_new_tokens, temperature, top_p, top_k, eos)
-    pl_config = _generation_config(target, max_new_tokens, temperature, top_p, top_k, eos,
-                                   prompt_lookup_num_tokens=prompt_lookup) if prompt_lookup else None
+
+    def config(n: int, lookup: bool = False):
+        extra = dict(prompt_lookup_num_tokens=prompt_lookup) if lookup else {}
+        return _generation_config(target, n, temperature, top_p, top_k, eos, **extra)
+
+    base_config = config(max_new_tokens)
+    pl_config = config(max_new_tokens, lookup=True) if prompt_lookup else None
     sync = torch.cuda.synchronize if target.device.type == "cuda" else (lambda: None)
 
     def plain(ids: list[int], config, seed_: int) -> tuple[list[int], float]:
@@ -159,11 +176,10 @@ def run_bench(
 
     # One short warm-up each: first-call costs (allocations, kernel selection) stay out of the numbers.
     warm = prompt_ids(target, questions[0])
-    plain(warm, _generation_config(target, WARMUP_TOKENS, temperature, top_p, top_k, eos), seed)
+    plain(warm, config(WARMUP_TOKENS), seed)
     spec(warm, WARMUP_TOKENS, seed)
     if pl_config is not None:
-        plain(warm, _generation_config(target, WARMUP_TOKENS, temperature, top_p, top_k, eos,
-                                       prompt_lookup_num_tokens=prompt_lookup), seed)
+        plain(warm, config(WARMUP_TOKENS, lookup=True), seed)
 
     rows = []
     bar = tqdm(questions, desc="bench", unit="q", disable=not progress)
@@ -179,27 +195,33 @@ def run_bench(
         rows.append(_row(q, ids, done, sampling))
         bar.set_postfix_str(_running(rows))
 
-    report = {"settings": settings(target, head, options, dtype=dtype, max_new_tokens=max_new_tokens,
+    tree = asdict(gen.options)
+    if tree["total_tokens"] == "auto":  # record what the generator tuned it to on this machine
+        tree["total_tokens_tuned"] = gen.total_tokens
+    report = {"settings": settings(target, head, tree=tree, dtype=dtype, max_new_tokens=max_new_tokens,
                                    temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
                                    prompt_lookup=prompt_lookup, eos_token_ids=eos, questions=len(rows)),
-              **summarize(rows, sampling=sampling, depth=getattr(options, "depth", None))}
-    if out is not None:
-        write_report(report, out)
+              # a static tree's depth is its longest path: leave the positions to the observed cycles
+              **summarize(rows, sampling=sampling, depth=tree["depth"] if tree["kind"] != "static" else None)}
     return report
 
 
 def load_generator(target: str | Target, head: str | os.PathLike | DraftHead, dtype: str,
                    tree_options: dict[str, Any]):
-    """(Target, SpeculativeGenerator, TreeOptions): one Target in `dtype` shared by both sides."""
-    from eyas.inference import SpeculativeGenerator, TreeOptions
+    """(Target, SpeculativeGenerator): one Target in `dtype` shared by both sides."""
+    from eyas.inference import SpeculativeGenerator
     from eyas.models import load_head
+    from eyas.models.target import resolve_dtype
 
     if isinstance(target, str):
         target = Target.load(target, dtype=dtype)
+    elif target.dtype != resolve_dtype(dtype):
+        raise ValueError(f"the target given is {target.dtype}, not the requested dtype {dtype!r}: "
+                         "load it in that dtype, or pass its spec")
     if not isinstance(head, DraftHead):
         head = load_head(head, target, dtype=dtype)
-    options = TreeOptions(**tree_options)
-    return target, SpeculativeGenerator.from_pretrained(target, head, dtype=dtype, **tree_options), options
+    gen = SpeculativeGenerator.from_pretrained(target, head, dtype=dtype, **tree_options)
+    return target, gen
 
 
 def _generation_config(target: Target, max_new_tokens: int, temperature: float, top_p: float, top_k: int,
@@ -243,11 +265,10 @@ def _running(rows: list[dict[str, Any]]) -> str:
     return f"tau {tau:.2f} speedup {spec / max(base, 1e-9):.2f}x"
 
 
-def settings(target: Target, head: Any, options: Any, **run: Any) -> dict[str, Any]:
+def settings(target: Target, head: Any, **run: Any) -> dict[str, Any]:
     return {
         "target": target.name_or_path,
         "head": str(head) if not isinstance(head, DraftHead) else f"<in-memory {head.config.head_type} head>",
-        "tree": asdict(options) if is_dataclass(options) else dict(vars(options)),
         **run,
         "threads": torch.get_num_threads(),
         "device": str(target.device),

@@ -1,13 +1,14 @@
 import json
-from types import SimpleNamespace
-
 import pytest
 import torch
 
 from eyas.inference import bench
 from eyas.inference.bench import Question, load_questions, run_bench
 from eyas.inference.bench_report import accept_rate_per_position
+from eyas.models import DraftHead, save_head
+from eyas.models.head_config import head_config_for
 from tiny import tiny_target
+from train_tiny import write_target
 
 QUESTIONS = [
     {"question_id": 1, "category": "writing", "turns": ["hello world w1 w2", "ignored second turn"]},
@@ -16,28 +17,31 @@ QUESTIONS = [
 ]
 
 
-class _StandInGenerator:
-    """Greedy decoding with the target alone, reporting made-up cycles; stands in until inference lands."""
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    # Tiny models gain nothing from more threads, and on a shared CPU spinning threads cost ~10x.
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
 
-    def __init__(self, target):
-        self.target = target
 
-    def generate(self, ids, max_new_tokens, temperature, top_p, top_k, eos_token_id, seed):
-        out = self.target.model.generate(torch.tensor([ids]), max_new_tokens=max_new_tokens, do_sample=False,
-                                         eos_token_id=eos_token_id, pad_token_id=1)
-        tokens = out[0, len(ids):].tolist()
-        accepted = [1 + i % 3 for i in range(len(tokens) // 2)]
-        stats = SimpleNamespace(accepted=accepted, draft_time_s=0.01, target_time_s=0.02, total_time_s=0.04,
-                                prefill_time_s=0.005)
-        return SimpleNamespace(tokens=tokens, stats=stats)
+@pytest.fixture(scope="module")
+def pair():
+    """Tiny fp32 target and a random EAGLE-3 head: few drafts accepted, but every verify path runs."""
+    target = tiny_target("llama")
+    torch.manual_seed(0)
+    return target, DraftHead(head_config_for(target, "eagle3"), target)
 
 
 @pytest.fixture
-def target(monkeypatch):
-    t = tiny_target("llama")
-    monkeypatch.setattr(bench, "load_generator",
-                        lambda target, head, dtype, opts: (t, _StandInGenerator(t), SimpleNamespace(depth=3)))
-    return t
+def saved_pair(tmp_path, pair):
+    target_dir = write_target(tmp_path / "target")
+    save_head(pair[1], tmp_path / "head")
+    return target_dir, tmp_path / "head"
+
+
+SMALL_TREE = dict(depth=3, top_k=2, total_tokens=6)
 
 
 def _write(path, rows):
@@ -45,9 +49,9 @@ def _write(path, rows):
     return path
 
 
-def test_report_has_every_field_per_category_and_overall(tmp_path, target):
-    report = run_bench(target, "head", _write(tmp_path / "q.jsonl", QUESTIONS), max_new_tokens=12,
-                       prompt_lookup=3, out=tmp_path / "report.json", progress=False)
+def test_report_has_every_field_per_category_and_overall(tmp_path, pair):
+    report = run_bench(*pair, _write(tmp_path / "q.jsonl", QUESTIONS), max_new_tokens=12, prompt_lookup=3,
+                       out=tmp_path / "report.json", progress=False, **SMALL_TREE)
     saved = json.loads((tmp_path / "report.json").read_text())
     assert saved == json.loads(json.dumps(report))
     assert (tmp_path / "report.png").stat().st_size > 0
@@ -55,7 +59,7 @@ def test_report_has_every_field_per_category_and_overall(tmp_path, target):
     for s in [saved["overall"], *saved["per_category"].values()]:
         assert s["tau"] >= 1.0
         assert all(r is None or 0.0 <= r <= 1.0 for r in s["accept_rate_per_position"])
-        assert len(s["accept_rate_per_position"]) >= 3
+        assert len(s["accept_rate_per_position"]) >= SMALL_TREE["depth"]
         for key in ("baseline_tokens_per_s", "spec_tokens_per_s", "speedup", "prompt_lookup_tokens_per_s",
                     "prompt_lookup_speedup"):
             assert s[key] > 0, key
@@ -65,13 +69,15 @@ def test_report_has_every_field_per_category_and_overall(tmp_path, target):
     assert saved["overall"]["questions"] == 3 and saved["per_category"]["writing"]["questions"] == 2
     st = saved["settings"]
     assert st["dtype"] == "fp32" and st["threads"] >= 1 and st["max_new_tokens"] == 12
+    assert st["tree"]["depth"] == 3 and st["tree"]["total_tokens"] == 6
     assert st["versions"]["torch"] and st["machine"]["cores"] >= 1
     rows = saved["questions"]
     assert [r["question_id"] for r in rows] == [1, 2, "HumanEval/0"]
     assert all(r["exact"] and r["spec_tokens"] == r["baseline_tokens"] > 0 for r in rows)
 
 
-def test_chat_rows_use_the_template_and_prompt_rows_do_not(target):
+def test_chat_rows_use_the_template_and_prompt_rows_do_not(pair):
+    target = pair[0]
     chat = bench.prompt_ids(target, Question(1, "c", "hello world", chat=True))
     raw = bench.prompt_ids(target, Question(2, "c", "hello world", chat=False))
     tok = target.tokenizer
@@ -106,23 +112,26 @@ def test_accept_rate_per_position_is_conditional_on_reaching_the_position():
     assert accept_rate_per_position([1, 2, 3, 4, 2], 5) == [4 / 5, 2 / 4, 1 / 2, 0 / 1, None]
 
 
-def test_cli_writes_report_and_prints_table(tmp_path, target, capsys):
+def test_cli_writes_report_and_prints_table(tmp_path, saved_pair, capsys):
     from eyas.inference.cli import main
 
     q = _write(tmp_path / "q.jsonl", QUESTIONS)
-    rc = main(["bench", "--target", "tiny", "--head", "h", "--questions", str(q), "--out", str(tmp_path / "r.json"),
-               "--max-new-tokens", "6", "--limit", "2"])
+    rc = main(["bench", "--target", str(saved_pair[0]), "--head", str(saved_pair[1]), "--questions", str(q),
+               "--out", str(tmp_path / "r.json"), "--max-new-tokens", "6", "--limit", "2", "--tree", "chain",
+               "--depth", "2"])
     out = capsys.readouterr().out
     assert rc == 0
-    assert json.loads((tmp_path / "r.json").read_text())["overall"]["questions"] == 2
+    report = json.loads((tmp_path / "r.json").read_text())
+    assert report["overall"]["questions"] == 2 and report["overall"]["exact_match_fraction"] == 1.0
+    assert report["settings"]["tree"]["kind"] == "chain"
     assert "overall" in out and "writing" in out and str(tmp_path / "r.png") in out
 
 
-def test_cli_bad_questions_is_one_clear_line(tmp_path, target, capsys):
+def test_cli_bad_questions_is_one_clear_line(tmp_path, capsys):
     from eyas.inference.cli import main
 
     q = _write(tmp_path / "q.jsonl", [QUESTIONS[0], '{"question_id": 9}'])
-    rc = main(["bench", "--target", "tiny", "--head", "h", "--questions", str(q), "--out", str(tmp_path / "r.json")])
+    rc = main(["bench", "--target", "unused", "--head", "unused", "--questions", str(q), "--out", str(tmp_path / "r.json")])
     assert rc == 2
     assert "q.jsonl:2" in capsys.readouterr().err
     assert not (tmp_path / "r.json").exists()
@@ -133,3 +142,21 @@ def test_demo_without_questions_says_where_to_get_them(capsys):
 
     assert main(["demo"]) == 2
     assert "mt_bench/question.jsonl" in capsys.readouterr().err
+
+
+def test_demo_trains_exports_and_benches(tmp_path, capsys):
+    from eyas.inference.cli import main
+    from train_tiny import TINY_CONFIG, write_conversations
+
+    target, data = write_target(tmp_path / "target"), write_conversations(tmp_path / "convs.jsonl")
+    rc = main(["demo", "--config", str(TINY_CONFIG), "--questions", str(_write(tmp_path / "q.jsonl", QUESTIONS)),
+               "--head-out", str(tmp_path / "head"), "--dtype", "fp32", "--limit", "2", "--max-new-tokens", "8",
+               f"target.spec={target}", f"data.source={data}", f"output_dir={tmp_path / 'run'}",
+               "schedule.total_steps=2", "checkpoint.every=2"])
+    out = capsys.readouterr().out
+    assert rc == 0
+    report = json.loads((tmp_path / "run" / "bench" / "report.json").read_text())
+    assert report["overall"]["questions"] == 2 and report["overall"]["exact_match_fraction"] == 1.0
+    assert "prompt_lookup_speedup" in report["overall"]
+    assert (tmp_path / "head" / "config.json").is_file() and (tmp_path / "run" / "bench" / "report.png").is_file()
+    assert f"head:   {tmp_path / 'head'}" in out and "$ eyas export" in out
