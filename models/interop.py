@@ -100,14 +100,17 @@ def _read_foreign_config(layout: str, raw: dict[str, Any], folder: Path, target)
         if "norm_before_residual" not in raw:
             # speculators defaults it to False, vLLM to True: refuse to guess which the head was trained with.
             raise ValueError(f"{where}: norm_before_residual is missing (speculators and vLLM default it differently)")
-        if raw["norm_before_residual"] or raw.get("norm_before_fc"):
-            raise ValueError(f"{where}: norm_before_residual/norm_before_fc heads are not supported by eyas")
+        if llama.get("model_type") != "llama":  # speculators builds other decoder layers (e.g. qwen3's q/k norms)
+            raise ValueError(f"{where}: transformer_layer_config model_type {llama.get('model_type')!r} is not supported; eyas heads use llama layers")
         ids = raw.get("eagle_aux_hidden_state_layer_ids")
         verifier = (spec.get("verifier") or {}).get("name_or_path") or ""
     else:
         llama = raw
         ids = (raw.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
         verifier = ""
+    variants = [k for k in ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_output") if raw.get(k)]
+    if variants:
+        raise ValueError(f"{where}: EAGLE-3 variants {variants} are not supported by eyas heads")
     shape = _shape_from_llama(llama, where)
     target_hidden = raw.get("target_hidden_size")
     if target_hidden not in (None, shape["hidden_size"]):

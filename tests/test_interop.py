@@ -225,6 +225,13 @@ def test_foreign_load_errors_name_the_problem(tmp_path):
     _write_foreign(tmp_path / "ambiguous", {k: v for k, v in spec.items() if k != "norm_before_residual"}, spec_weights)
     with pytest.raises(ValueError, match="norm_before_residual is missing"):
         load_head(tmp_path / "ambiguous")
+    _write_foreign(tmp_path / "fc_norm", {**spec, "fc_norm": True}, spec_weights)
+    with pytest.raises(ValueError, match="fc_norm"):
+        load_head(tmp_path / "fc_norm")
+    qwen3_layer = {**spec, "transformer_layer_config": {**spec["transformer_layer_config"], "model_type": "qwen3"}}
+    _write_foreign(tmp_path / "qwen3", qwen3_layer, spec_weights)
+    with pytest.raises(ValueError, match="qwen3"):
+        load_head(tmp_path / "qwen3")
     _write_foreign(tmp_path / "medusa", {**spec, "speculators_model_type": "medusa"}, spec_weights)
     with pytest.raises(ValueError, match="medusa"):
         load_head(tmp_path / "medusa")
