@@ -49,7 +49,9 @@ BORROWED_KEYS = ("embed_tokens.weight", "verifier_norm.weight", "verifier_lm_hea
 HEAD_TYPE = {"sglang": "eagle3", "speculators": "eagle3", "eagle": "eagle1"}
 # foreign aux layer id = eyas fused layer id + offset (see module docstring).
 LAYER_ID_OFFSET = {"sglang": -1, "speculators": 0}
-MAX_LAYERS = {"sglang": 1}  # LlamaForCausalLMEagle3 has a single `midlayer`
+# The EAGLE-3 reference and SpecForge write one `midlayer`; SGLang names a later layer's input norm
+# `hidden_norm`, not `input_layernorm`, so deeper heads would need more than a prefix rename.
+MAX_LAYERS = {"sglang": 1}
 SGLANG_ARCHS = ("LlamaForCausalLMEagle3",)
 EAGLE1_ARCHS = ("LlamaForCausalLM", "LlamaForCausalLMEagle")  # reference / SGLang's EAGLE-1 class
 # speculators' GreedyTokenProposalConfig default; the chain length vLLM proposes unless told otherwise.
