@@ -123,7 +123,7 @@ def write_plot(report: dict[str, Any], path: str | os.PathLike) -> None:
     fig, (ax_acc, ax_speed) = plt.subplots(1, 2, figsize=(11, 4))
     rates = report["overall"]["accept_rate_per_position"]
     xs = [k + 1 for k, r in enumerate(rates) if r is not None]
-    ax_acc.bar(xs, [r for r in rates if r is not None], color="tab:blue")
+    ax_acc.bar_label(ax_acc.bar(xs, [r for r in rates if r is not None], color="tab:blue"), fmt="%.2f")
     ax_acc.set(xlabel="draft position", ylabel="acceptance rate (given previous accepted)", ylim=(0, 1),
                title=f"acceptance per position (tau {report['overall']['tau']:.2f})")
     ax_acc.set_xticks(xs)
@@ -133,10 +133,13 @@ def write_plot(report: dict[str, Any], path: str | os.PathLike) -> None:
     has_lookup = all("prompt_lookup_speedup" in s for _, s in groups)
     width = 0.4 if has_lookup else 0.8
     pos = range(len(groups))
-    ax_speed.bar([p - width / 2 * has_lookup for p in pos], [s["speedup"] for _, s in groups], width, label="eyas")
+    bars = ax_speed.bar([p - width / 2 * has_lookup for p in pos], [s["speedup"] for _, s in groups], width,
+                        label="eyas")
+    ax_speed.bar_label(bars, fmt="%.2f")
     if has_lookup:
-        ax_speed.bar([p + width / 2 for p in pos], [s["prompt_lookup_speedup"] for _, s in groups], width,
-                     label="prompt lookup", color="tab:gray")
+        bars = ax_speed.bar([p + width / 2 for p in pos], [s["prompt_lookup_speedup"] for _, s in groups], width,
+                            label="prompt lookup", color="tab:gray")
+        ax_speed.bar_label(bars, fmt="%.2f")
     ax_speed.axhline(1.0, color="black", linewidth=0.8)
     ax_speed.set_xticks(list(pos), names, rotation=30, ha="right")
     ax_speed.set(ylabel="speedup over transformers generate", title="speedup per category")
