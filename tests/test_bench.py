@@ -4,7 +4,7 @@ import torch
 
 from eyas.inference import bench
 from eyas.inference.bench import Question, load_questions, run_bench
-from eyas.inference.bench_report import accept_rate_per_position
+from eyas.inference.bench_report import accept_rate_per_position, summarize
 from eyas.models import DraftHead, save_head
 from eyas.models.head_config import head_config_for
 from tiny import tiny_target
@@ -15,6 +15,8 @@ QUESTIONS = [
     {"question_id": 2, "category": "writing", "turns": ["the w5 w6 w7 ."]},
     {"question_id": "HumanEval/0", "category": "code", "prompt": "a w10 w11 w12 w13"},
 ]
+QUESTIONS_AS_OBJECTS = [Question(1, "writing", "hello world w1 w2", chat=True),
+                        Question("HumanEval/0", "code", "a w10 w11 w12 w13", chat=False)]
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -160,3 +162,26 @@ def test_demo_trains_exports_and_benches(tmp_path, capsys):
     assert "prompt_lookup_speedup" in report["overall"]
     assert (tmp_path / "head" / "config.json").is_file() and (tmp_path / "run" / "bench" / "report.png").is_file()
     assert f"head:   {tmp_path / 'head'}" in out and "$ eyas export" in out
+
+
+def _rows(*lengths_and_times):
+    return [{"category": "c", "accepted": [2, 1], "baseline_tokens": bt, "baseline_time_s": bs, "spec_tokens": st,
+             "spec_time_s": ss, "engine_time_s": ss, "draft_time_s": 0.1 * ss, "target_time_s": 0.8 * ss,
+             "exact": bt == st} for bt, bs, st, ss in lengths_and_times]
+
+
+def test_speedup_is_a_time_ratio_for_equal_outputs_else_a_tokens_per_s_ratio():
+    same = summarize(_rows((10, 2.0, 10, 1.0), (6, 1.0, 6, 1.0)), sampling=False)["overall"]
+    assert same["speedup_basis"] == "time" and same["speedup"] == pytest.approx(3.0 / 2.0)
+    assert same["engine_overhead_fraction"] == pytest.approx(0.1)
+    differ = summarize(_rows((10, 2.0, 20, 2.0)), sampling=True)["overall"]
+    assert differ["speedup_basis"] == "tokens_per_s" and differ["speedup"] == pytest.approx(2.0)
+    assert differ["exact_match_fraction"] is None
+
+
+def test_sampling_runs_both_sides_with_the_same_settings(tmp_path, pair):
+    report = run_bench(*pair, QUESTIONS_AS_OBJECTS[:2], max_new_tokens=6, temperature=0.8, top_p=0.9, top_k=20,
+                       progress=False, kind="chain", depth=2)
+    assert report["overall"]["exact_match_fraction"] is None
+    assert report["settings"]["temperature"] == 0.8 and report["settings"]["top_k"] == 20
+    assert all(0 < r["spec_tokens"] <= 6 and 0 < r["baseline_tokens"] <= 6 for r in report["questions"])
