@@ -112,6 +112,7 @@ def run_bench(
     top_p: float = 1.0,
     top_k: int = 0,
     dtype: str = "fp32",
+    device: str = "cpu",
     threads: int | None = None,
     limit: int | None = None,
     prompt_lookup: int | None = None,
@@ -125,6 +126,7 @@ def run_bench(
     prompt_lookup: if set, also run transformers prompt-lookup decoding with that many
     candidate tokens. out: if set, write the report there atomically and a PNG beside it.
     tree_options go to SpeculativeGenerator.from_pretrained (kind, depth, top_k, total_tokens, paths).
+    A Target passed in is used where it is (device) and must already be in `dtype`.
     """
     if not isinstance(questions, (str, os.PathLike)):
         questions = list(questions)[:limit]
@@ -134,8 +136,8 @@ def run_bench(
     if threads is not None:
         torch.set_num_threads(threads)
     try:
-        report = _run(target, head, questions, max_new_tokens, temperature, top_p, top_k, dtype, prompt_lookup, seed,
-                      progress, tree_options)
+        report = _run(target, head, questions, max_new_tokens, temperature, top_p, top_k, dtype, device,
+                      prompt_lookup, seed, progress, tree_options)
     finally:
         torch.set_num_threads(threads_before)
     if out is not None:
@@ -144,8 +146,9 @@ def run_bench(
 
 
 def _run(target, head, questions: list[Question], max_new_tokens: int, temperature: float, top_p: float, top_k: int,
-         dtype: str, prompt_lookup: int | None, seed: int, progress: bool, tree_options: dict[str, Any]) -> dict:
-    target, gen = load_generator(target, head, dtype, tree_options)
+         dtype: str, device: str, prompt_lookup: int | None, seed: int, progress: bool,
+         tree_options: dict[str, Any]) -> dict:
+    target, gen = load_generator(target, head, dtype, device, tree_options)
     eos = eos_ids(target)
     sampling = temperature > 0
 
@@ -206,7 +209,7 @@ def _run(target, head, questions: list[Question], max_new_tokens: int, temperatu
     return report
 
 
-def load_generator(target: str | Target, head: str | os.PathLike | DraftHead, dtype: str,
+def load_generator(target: str | Target, head: str | os.PathLike | DraftHead, dtype: str, device: str,
                    tree_options: dict[str, Any]):
     """(Target, SpeculativeGenerator): one Target in `dtype` shared by both sides."""
     from eyas.inference import SpeculativeGenerator
@@ -214,7 +217,7 @@ def load_generator(target: str | Target, head: str | os.PathLike | DraftHead, dt
     from eyas.models.target import resolve_dtype
 
     if isinstance(target, str):
-        target = Target.load(target, dtype=dtype)
+        target = Target.load(target, dtype=dtype, device=device)
     elif target.dtype != resolve_dtype(dtype):
         raise ValueError(f"the target given is {target.dtype}, not the requested dtype {dtype!r}: "
                          "load it in that dtype, or pass its spec")

@@ -30,6 +30,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--seed", type=int, default=0, help="sampling seed; question i uses seed+i on both sides")
     p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"],
                    help="target and head dtype (default fp32: greedy outputs must match exactly)")
+    p.add_argument("--device", default="cpu", help="torch device for target and head, e.g. cuda (default cpu)")
     p.add_argument("--limit", type=int, default=None, help="only the first N questions")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--prompt-lookup", type=int, nargs="?", const=10, default=None, metavar="N",
@@ -92,8 +93,8 @@ def _bench(args: argparse.Namespace) -> int:
 
     report = run_bench(args.target, args.head, args.questions, max_new_tokens=args.max_new_tokens,
                        temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
-                       dtype=args.dtype, limit=args.limit, threads=args.threads, prompt_lookup=args.prompt_lookup,
-                       out=args.out, **tree_options(args))
+                       dtype=args.dtype, device=args.device, limit=args.limit, threads=args.threads,
+                       prompt_lookup=args.prompt_lookup, out=args.out, **tree_options(args))
     print(format_table(report))
     print(f"report: {args.out}\nplot:   {Path(args.out).with_suffix('.png')}")
     return 0
