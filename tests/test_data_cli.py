@@ -1,0 +1,44 @@
+"""`eyas data prepare | vocab | cache-hidden | regenerate` end to end on a tiny target folder."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from test_data_regenerate import conversations
+from tiny import tiny_model, tiny_tokenizer
+
+from eyas.data.hidden_cache import HiddenStateDataset
+from eyas.inference.cli import main
+from eyas.models import default_fused_layer_ids
+
+
+def test_data_commands(tmp_path, monkeypatch):
+    monkeypatch.setenv("EYAS_CACHE", str(tmp_path / "cache"))
+    target = tmp_path / "target"
+    tiny_model().save_pretrained(target)
+    tiny_tokenizer().save_pretrained(target)
+    src = tmp_path / "chats.jsonl"
+    src.write_text("".join(json.dumps({"messages": c}) + "\n" for c in conversations(12)))
+
+    assert main(["data", "regenerate", "--target", str(target), "--source", str(src), "--out",
+                 str(tmp_path / "regen.jsonl"), "--max-new-tokens", "6", "--batch-size", "4"]) == 0
+    assert len((tmp_path / "regen.jsonl").read_text().splitlines()) == 12
+    ex = tmp_path / "ex"
+    assert main(["data", "prepare", "--target", str(target), "--source", str(tmp_path / "regen.jsonl"),
+                 "--out", str(ex), "--held-out", "2"]) == 0
+    assert json.loads((ex / "prepare.json").read_text())["train"] == 10
+    assert main(["data", "vocab", "--target", str(target), "--examples", str(ex), "--size", "50",
+                 "--out", str(tmp_path / "vocab.safetensors")]) == 0
+    assert main(["data", "cache-hidden", "--target", str(target), "--examples", str(ex), "--out",
+                 str(tmp_path / "hidden")]) == 0
+    cached = HiddenStateDataset(tmp_path / "hidden")
+    assert len(cached) == 10 and cached[0]["features"].shape[-1] == 64 * len(default_fused_layer_ids(4))
+    assert main(["data", "prepare", "--target", str(target), "--source", str(tmp_path / "missing.json"),
+                 "--out", str(ex)]) == 2
+
+
+def test_help_does_not_import_torch():
+    code = "import sys, eyas.data.cli; assert 'torch' not in sys.modules and 'datasets' not in sys.modules"
+    subprocess.run([sys.executable, "-c", code], check=True)
