@@ -128,10 +128,10 @@ def run_bench(
     tree_options go to SpeculativeGenerator.from_pretrained (kind, depth, top_k, total_tokens, paths).
     A Target passed in is used where it is (device) and must already be in `dtype`.
     """
-    if not isinstance(questions, (str, os.PathLike)):
-        questions = list(questions)[:limit]
-    else:
+    if isinstance(questions, (str, os.PathLike)):
         questions = load_questions(questions, limit)
+    elif not (questions := list(questions)[:limit]):
+        raise ValueError("no questions to benchmark")
     threads_before = torch.get_num_threads()
     if threads is not None:
         torch.set_num_threads(threads)
