@@ -56,3 +56,11 @@ def test_eagle1_rejects_eagle3_only_keys():
 def test_resolved_config_round_trips():
     c = load_config(None, ["optim.betas=[0.8, 0.9]", "data.field_map={conversation: convs}"])
     assert from_dict(RunConfig, yaml.safe_load(dump_config(c))) == c
+
+
+def test_eyas_train_rejects_an_unknown_key_before_loading_anything(capsys):
+    from eyas.inference.cli import main
+
+    tiny = Path(__file__).resolve().parents[1] / "configs" / "tiny-eagle3.yaml"
+    assert main(["train", "--config", str(tiny), "schedule.total_step=3"]) == 2
+    assert "did you mean 'schedule.total_steps'" in capsys.readouterr().err

@@ -25,17 +25,18 @@ class Examples(Protocol):
     def __getitem__(self, i: int) -> dict[str, Any]: ...
 
 
-def load_examples(config: DataConfig, tokenizer, seed: int) -> tuple[Examples, Examples, str]:
-    """(train, held_out, summary line). Online: tokenized conversations; offline: the hidden-state cache."""
+def load_examples(config: DataConfig, target, seed: int) -> tuple[Examples, Examples, str]:
+    """(train, held_out, summary line). Online: tokenized conversations; offline: the hidden-state cache
+    (items carry `hidden` and, for EAGLE-3, `features`), split by index with the same seed."""
     if config.hidden_states == "offline":
-        from eyas.data import HiddenStateDataset
+        from eyas.data.hidden_cache import HiddenStateDataset
 
-        cache = HiddenStateDataset(config.cache_dir)
+        cache = HiddenStateDataset(config.cache_dir, target)
         train_idx, held_idx = split_indices(len(cache), config.held_out, seed)
         return Subset(cache, train_idx), Subset(cache, held_idx), f"{len(cache)} cached examples in {config.cache_dir}"
     from eyas.data import build_examples, split_examples
 
-    examples, summary = build_examples(config.source, tokenizer, max_length=config.max_length,
+    examples, summary = build_examples(config.source, target.tokenizer, max_length=config.max_length,
                                        assistant_turns=config.assistant_turns, field_map=config.field_map,
                                        limit=config.limit, num_proc=config.num_proc if config.num_proc > 1 else None)
     if config.held_out == 0:
@@ -57,6 +58,8 @@ def split_indices(n: int, held_out: float, seed: int) -> tuple[list[int], list[i
 
 
 class Subset:
+    """Rows `index` of `examples` (the offline cache has no .select)."""
+
     def __init__(self, examples: Examples, index: list[int]) -> None:
         self.examples, self.index = examples, index
 
@@ -65,6 +68,10 @@ class Subset:
 
     def __getitem__(self, i: int) -> dict[str, Any]:
         return self.examples[self.index[i]]
+
+    @property
+    def layer_ids(self) -> list[int]:
+        return self.examples.layer_ids
 
 
 class ExampleStream:

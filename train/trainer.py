@@ -7,7 +7,7 @@
 - Data order is global and world-size independent (see data.py); the trainer does its own sharding,
   so no dataloader is prepared and `accelerate` never re-scales the scheduler.
 - Illegal combinations rejected at setup: a launch whose process count/type differs from what was
-  expected; offline hidden states whose feature width does not fit the head; eagle1 with a draft vocab.
+  expected; an offline cache whose layers differ from the head's fused layers; eagle1 with a draft vocab.
 """
 
 from __future__ import annotations
@@ -106,19 +106,30 @@ class Trainer:
 
         self.target = Target.load(c.target.spec, dtype=c.target.dtype, device=acc.device)
         with acc.main_process_first():
-            self.train_set, self.held_out, summary = load_examples(c.data, self.target.tokenizer, c.seed)
+            self.train_set, self.held_out, summary = load_examples(c.data, self.target, c.seed)
         self.log(f"data: {summary}; {len(self.train_set)} train / {len(self.held_out)} held-out examples")
 
         hc = c.head
         head_config = head_config_for(self.target, hc.type, draft_vocab_size=hc.draft_vocab_size,
                                       fused_layer_ids=hc.fused_layer_ids, num_layers=hc.num_layers)
         self.head = head = DraftHead(head_config, self.target).to(acc.device)
+        offline = c.data.hidden_states == "offline"
+        if offline and list(self.train_set.layer_ids) != list(head_config.fused_layer_ids):
+            raise ValueError(f"the hidden-state cache {c.data.cache_dir} holds layers {self.train_set.layer_ids}, the "
+                             f"head fuses {list(head_config.fused_layer_ids)}: set head.fused_layer_ids to match")
         if hc.type == "eagle3" and head_config.draft_vocab_size < head_config.vocab_size:
-            from eyas.data import build_vocab_map
+            from eyas.data.vocab import build_vocab_map, read_vocab_map
 
-            with acc.main_process_first():
-                vocab = build_vocab_map(self.train_set, self.target.tokenizer, head_config.draft_vocab_size,
-                                        vocab_cache_path(c.data, c.output_dir))
+            vocab_path = vocab_cache_path(c.data, c.output_dir)
+            if offline:  # the cache holds no datasets.Dataset to count tokens from: use the stored map
+                if not vocab_path.is_file():
+                    raise FileNotFoundError(f"offline training with a reduced draft vocab needs the vocab map built "
+                                            f"with the cache: set data.vocab_cache (no file at {vocab_path})")
+                vocab = read_vocab_map(vocab_path)
+            else:
+                with acc.main_process_first():
+                    vocab = build_vocab_map(self.train_set, self.target.tokenizer, head_config.draft_vocab_size,
+                                            vocab_path)
             head.set_vocab_map(vocab.draft_to_target)
             self.log(f"draft vocab: {head_config.draft_vocab_size} tokens cover {vocab.coverage:.1%} of training targets")
 
@@ -177,11 +188,8 @@ class Trainer:
         """-> (states [B, T, F or H], logits [B, T, V]) from the frozen target or the offline cache."""
         eagle3 = self.head.config.head_type == "eagle3"
         with torch.no_grad():
-            if "hidden" in batch:  # offline cache
+            if "hidden" in batch:  # offline cache (layer ids checked at setup)
                 states = batch["features"] if eagle3 else batch["hidden"]
-                if states.shape[-1] != self.head.config.feature_size:
-                    raise ValueError(f"cached features have width {states.shape[-1]}, the head needs "
-                                     f"{self.head.config.feature_size} (fused layers {list(self.head.config.fused_layer_ids)})")
                 hidden = batch["hidden"].to(self.target.dtype)
                 return states, self.target.lm_head(hidden)
             out = self.target(batch["input_ids"], attention_mask=batch["attention_mask"],
