@@ -85,7 +85,7 @@ def verify(logits: torch.Tensor, tree: DraftTree, s: Sampling, generator: torch.
 
 @dataclass
 class Accepted:
-    path: torch.Tensor  # [B, A] node indices root..last accepted node, padded by repeating the last
+    path: torch.Tensor  # [B, A] node indices root..last accepted node, right-aligned (padded in front)
     length: torch.Tensor  # [B] nodes on the path = accepted drafts + 1 = tokens gained this cycle
     bonus: torch.Tensor  # [B] y at the last accepted node: the next root
 

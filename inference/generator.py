@@ -2,8 +2,8 @@
 
 Batches hold prompts of different lengths: left padding plus a `valid` mask over cache slots.
 Rows accept different numbers of tokens per cycle; each keeps prefix + its own accepted path in
-the target cache and, to keep one rectangular cache, pads shorter paths with slots it marks
-invalid and never attends to again. The head cache mirrors the target cache slot for slot, so one
+the target cache and, to keep one rectangular cache, pads shorter paths in front with slots it
+marks invalid and never attends to again (so the newest token is always the last slot). The head cache mirrors the target cache slot for slot, so one
 `valid` mask serves both. Only the CLI prints; generation returns tokens and stats.
 """
 
@@ -201,19 +201,18 @@ class SpeculativeGenerator:
             a = acc.path.shape[1]
             Target.keep_cache(cache, torch.cat([torch.arange(past, device=dev).expand(b, -1), past + acc.path], 1))
             path_tokens = tree.tokens.gather(1, acc.path)
-            steps = torch.arange(a, device=dev)
-            # EAGLE shift: the token after each path node is the next path node, or the bonus after the last
-            after = torch.where(steps == (acc.length - 1)[:, None], acc.bonus[:, None],
-                                torch.cat([path_tokens[:, 1:], path_tokens[:, -1:]], 1))
+            # EAGLE shift: the token after each path node is the next one, after the last the bonus
+            after = torch.cat([path_tokens[:, 1:], acc.bonus[:, None]], 1)
+            offset = torch.arange(a, device=dev) - (a - acc.length)[:, None]  # < 0 on front padding
             feats = self._features(out)
             ctx = DraftContext(tokens=after, features=feats.gather(1, acc.path[..., None].expand(-1, -1, feats.shape[-1])),
-                               positions=next_pos[:, None] + steps, valid=torch.cat([valid, steps < acc.length[:, None]], 1))
+                               positions=next_pos[:, None] + offset.clamp(min=0), valid=torch.cat([valid, offset >= 0], 1))
             valid = ctx.valid
             next_pos = next_pos + acc.length
             lengths = acc.length.tolist()
             for r, st, toks, n in zip(rows, stats, after.tolist(), lengths):
                 if not r.done:
-                    r.add(toks[:n])
+                    r.add(toks[len(toks) - n:])
                     st.accepted.append(n)
                 st.draft_time_s += t1 - t0
                 st.target_time_s += t2 - t1

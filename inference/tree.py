@@ -48,15 +48,14 @@ def tree_attention(valid: torch.Tensor, ancestors: torch.Tensor) -> torch.Tensor
 
 
 def path_to(ancestors: torch.Tensor, node: torch.Tensor, length: int) -> torch.Tensor:
-    """Node indices root..node [B, length]; shorter paths repeat their last node (callers mask them).
+    """Node indices root..node [B, length], right-aligned: shorter paths are padded at the front
+    with the root (callers mark those slots invalid), so column -1 is always the newest node.
 
     ancestors [B, N, N]; node [B]. Index order is root-to-leaf order because parents precede children.
     """
     row = ancestors.gather(1, node[:, None, None].expand(-1, 1, ancestors.shape[2]))[:, 0]  # [B, N]
-    n = row.shape[1]
-    key = torch.where(row, torch.arange(n, device=row.device), n)
-    path = key.sort(dim=1).values[:, :length]
-    return torch.where(path == n, node[:, None], path)
+    key = torch.where(row, torch.arange(row.shape[1], device=row.device), -1)
+    return key.sort(dim=1).values[:, -length:].clamp(min=0)
 
 
 # ---- static shapes -------------------------------------------------------------------------

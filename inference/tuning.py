@@ -27,6 +27,7 @@ def measure_target_cost(target: Target, cache, valid: torch.Tensor, next_pos: to
     b, past = valid.shape
     dev = valid.device
     costs = {}
+    keep = torch.arange(past, device=dev).expand(b, -1)
     for n in sizes:
         k = n + 1
         ids = torch.zeros(b, k, dtype=torch.long, device=dev)
@@ -41,7 +42,7 @@ def measure_target_cost(target: Target, cache, valid: torch.Tensor, next_pos: to
             if dev.type == "cuda":
                 torch.cuda.synchronize()
             best = min(best, time.perf_counter() - t0)
-            cache.crop(past)
+            Target.keep_cache(cache, keep)
         costs[n] = best
     return costs
 

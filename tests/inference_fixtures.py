@@ -1,0 +1,81 @@
+"""Helpers shared by the inference tests: reference decoding, random heads, test-only drafters and verifiers."""
+
+import random
+
+import torch
+
+from eyas.inference.acceptance import verify
+from eyas.inference.drafter import DraftContext
+from eyas.inference.tree import DraftTree
+from eyas.models import DraftHead, head_config_for
+
+PROMPTS = [list(range(10, 22)), [40, 41, 7], list(range(100, 131, 2))]
+NO_EOS = dict(eos_token_id=[])
+
+
+def greedy(target, prompt, n):
+    """The target's own greedy continuation, one plain forward per token."""
+    ids = torch.tensor([prompt])
+    cache = target.new_cache()
+    out, nxt = [], ids
+    for _ in range(n):
+        logits = target.model(nxt, cache=cache, use_cache=True).logits[0, -1]
+        out.append(int(logits.argmax()))
+        nxt = torch.tensor([[out[-1]]])
+    return out
+
+
+def make_head(target, head_type="eagle3", seed=0):
+    torch.manual_seed(seed)
+    head = DraftHead(head_config_for(target, head_type, draft_vocab_size=120 if head_type == "eagle3" else None), target)
+    if head_type == "eagle3":
+        head.set_vocab_map(torch.randperm(target.vocab_size)[:120])
+    return head
+
+
+class Oracle:
+    """Test-only drafter that proposes the target's own greedy continuation.
+
+    `corrupt`: probability that one token of the chain is wrong (so acceptance stops there);
+    `decoy`: put a wrong first child before the right one, so acceptance must take a second child.
+    """
+
+    def __init__(self, refs, depth, corrupt=0.0, decoy=False, seed=0):
+        self.refs, self.depth, self.corrupt, self.decoy = refs, depth, corrupt, decoy
+        self.rng = random.Random(seed)
+
+    def reset(self):
+        pass
+
+    def draft(self, ctx: DraftContext) -> DraftTree:
+        rows = []
+        for b, p in enumerate((ctx.positions[:, -1] + 1).tolist()):
+            ref = self.refs[b]
+            assert int(ctx.tokens[b, -1]) == ref[p], "the root must be the last accepted token"
+            chain = (ref[p + 1:] + [5] * self.depth)[:self.depth]  # finished rows run on past ref
+            if self.rng.random() < self.corrupt:
+                j = self.rng.randrange(self.depth)
+                chain[j] = (chain[j] + 1) % 300
+            tokens, parents = [ref[p]], [-1]
+            if self.decoy:
+                tokens.append((chain[0] + 7) % 300)
+                parents.append(0)
+            for j, t in enumerate(chain):
+                tokens.append(t)
+                parents.append(0 if j == 0 else len(tokens) - 2)
+            rows.append((tokens, parents))
+        tokens = torch.tensor([r[0] for r in rows])
+        parents = torch.tensor([r[1] for r in rows])
+        depth = torch.zeros_like(parents)
+        for i in range(1, parents.shape[1]):
+            depth[:, i] = depth.gather(1, parents[:, i:i + 1])[:, 0] + 1
+        return DraftTree(tokens, parents, depth, torch.zeros(tokens.shape, dtype=torch.float))
+
+
+def always_accept_first_child(logits, tree, s, generator=None):
+    """A deliberately biased verifier: the target "chooses" each node's first child whenever it has one."""
+    b, n = tree.tokens.shape
+    first = torch.full((b, n), n, dtype=torch.long)
+    first.scatter_reduce_(1, tree.parents[:, 1:], torch.arange(1, n).expand(b, -1), "amin")
+    has = first < n
+    return torch.where(has, tree.tokens.gather(1, first.clamp(max=n - 1)), verify(logits, tree, s, generator))

@@ -1,0 +1,163 @@
+"""Greedy speculative decoding is token-identical to the target's own greedy decoding."""
+
+import pytest
+import torch
+
+from eyas.inference import SpeculativeGenerator, TreeOptions
+from eyas.inference.drafter import HeadDrafter
+from eyas.inference.tuning import pick_total_tokens
+from inference_fixtures import NO_EOS, PROMPTS, Oracle, always_accept_first_child, greedy, make_head
+from tiny import FIXTURES, tiny_target
+
+
+@pytest.mark.parametrize("head_type", ["eagle1", "eagle3"])
+@pytest.mark.parametrize("arch,tied", FIXTURES)
+def test_greedy_matches_target_generate(arch, tied, head_type):
+    target = tiny_target(arch, tied)
+    gen = SpeculativeGenerator(target, make_head(target, head_type))
+    for prompt in PROMPTS:
+        ref = target.model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=16, pad_token_id=1)
+        assert gen.generate(prompt, max_new_tokens=16).tokens == ref[0, len(prompt):].tolist()
+
+
+@pytest.mark.parametrize("options", [
+    TreeOptions(kind="chain", depth=1), TreeOptions(kind="chain", depth=6), TreeOptions(kind="static"),
+    TreeOptions(kind="static", paths=((0,), (1,), (1, 0), (1, 1), (1, 1, 2))),
+    TreeOptions(total_tokens=1), TreeOptions(total_tokens=7, top_k=2, depth=3),
+    TreeOptions(total_tokens=16), TreeOptions(total_tokens=64, top_k=8, depth=6),
+], ids=lambda o: f"{o.kind}-{o.total_tokens if o.kind == 'dynamic' else o.depth}")
+def test_greedy_identity_across_tree_shapes(options):
+    target = tiny_target("qwen3")
+    gen = SpeculativeGenerator(target, make_head(target), options)
+    results = gen.generate_batch(PROMPTS, max_new_tokens=20, **NO_EOS)
+    for prompt, res in zip(PROMPTS, results):
+        assert res.tokens == greedy(target, prompt, 20)
+
+
+@pytest.mark.parametrize("arch,tied", FIXTURES)
+def test_perfect_draft_accepts_every_token(arch, tied):
+    target = tiny_target(arch, tied)
+    depth = 4
+    refs = [p + greedy(target, p, 40) for p in PROMPTS]
+    gen = SpeculativeGenerator(target, make_head(target), drafter=Oracle(refs, depth, decoy=arch == "llama"))
+    results = gen.generate_batch(PROMPTS, max_new_tokens=30, **NO_EOS)
+    for prompt, ref, res in zip(PROMPTS, refs, results):
+        assert res.tokens == ref[len(prompt):len(prompt) + 30]
+        assert res.stats.accepted and all(a == depth + 1 for a in res.stats.accepted), res.stats.accepted
+
+
+@pytest.mark.parametrize("arch,tied", FIXTURES)
+def test_batch_rows_accept_different_lengths_and_match_alone(arch, tied):
+    target = tiny_target(arch, tied)
+    refs = [p + greedy(target, p, 45) for p in PROMPTS]
+    gen = SpeculativeGenerator(target, make_head(target), drafter=Oracle(refs, 5, corrupt=0.7, decoy=True, seed=3))
+    results = gen.generate_batch(PROMPTS, max_new_tokens=32, **NO_EOS)
+    for prompt, ref, res in zip(PROMPTS, refs, results):
+        assert res.tokens == ref[len(prompt):len(prompt) + 32]
+    per_cycle = list(zip(*(r.stats.accepted for r in results)))
+    assert any(len(set(c)) > 1 for c in per_cycle), "rows should have accepted different lengths"
+
+
+def test_head_drafter_matches_the_head_run_step_by_step():
+    """Every node's cumulative draft score equals running the head along that node's path alone,
+    in every cycle: checks catch-up, the head-cache masks, positions and fed-back hidden states."""
+    target = tiny_target("llama")
+    head = make_head(target, "eagle3")
+    for options in [TreeOptions(total_tokens=12, top_k=3, depth=4), TreeOptions(kind="static")]:
+        inner = HeadDrafter(head, options.expansion())
+        seen = []
+
+        class Recorder:
+            def reset(self):
+                inner.reset()
+
+            def draft(self, ctx):
+                seen.append(ctx)
+                tree = inner.draft(ctx)
+                _check_scores(head, seen, tree)
+                return tree
+
+        # a verifier that accepts every first child makes each catch-up cover several tokens
+        gen = SpeculativeGenerator(target, head, drafter=Recorder(), verifier=always_accept_first_child)
+        gen.generate(PROMPTS[0], max_new_tokens=16, **NO_EOS)
+        assert len(seen) > 2 and max(c.tokens.shape[1] for c in seen[1:]) > 1
+
+
+def _check_scores(head, seen, tree):
+    tokens = torch.cat([c.tokens for c in seen], 1)
+    feats = torch.cat([c.features for c in seen], 1)
+    pos = torch.cat([c.positions for c in seen], 1)
+    d2t = head.draft_to_target.tolist()
+    t2d = {t: d for d, t in enumerate(d2t)}
+    with torch.no_grad():
+        cache = head.new_cache()
+        out = head(tokens, head.fuse(feats), pos, None, cache)
+        base_len = len(cache)
+        for i in range(1, tree.size):
+            node, path = i, []
+            while node > 0:
+                path.append(node)
+                node = int(tree.parents[0, node])
+            path.reverse()
+            cache.crop(base_len)
+            logits, hidden, score = out.logits[:, -1:], out.hidden[:, -1:], 0.0
+            for step, n in enumerate(path):
+                tok = int(tree.tokens[0, n])
+                score += float(torch.log_softmax(logits[0, -1].float(), -1)[t2d[tok]])
+                if step + 1 < len(path):
+                    mask = torch.ones(1, 1, len(cache) + 1, dtype=torch.bool)
+                    o = head(torch.tensor([[tok]]), hidden, pos[:, -1:] + step + 1, mask, cache)
+                    logits, hidden = o.logits, o.hidden
+            assert abs(score - float(tree.scores[0, i])) < 1e-4, (i, score, float(tree.scores[0, i]))
+
+
+def test_eos_and_stop_strings_end_generation():
+    target = tiny_target("llama")
+    gen = SpeculativeGenerator(target, make_head(target))
+    ref = greedy(target, PROMPTS[0], 30)
+    k = 9
+    eos = ref[k]
+    res = gen.generate(PROMPTS[0], max_new_tokens=30, eos_token_id=eos)
+    assert res.tokens == ref[:ref.index(eos) + 1]
+    word = target.tokenizer.decode([ref[k]])
+    res = gen.generate(PROMPTS[0], max_new_tokens=30, stop=[word], **NO_EOS)
+    first = next(j for j in range(30) if word in target.tokenizer.decode(ref[:j + 1]))
+    assert res.tokens == ref[:first + 1] and res.text.endswith(word)
+
+
+def test_stream_yields_the_generated_text_in_pieces():
+    target = tiny_target("llama")
+    gen = SpeculativeGenerator(target, make_head(target))
+    pieces = list(gen.stream(PROMPTS[1], max_new_tokens=12, **NO_EOS))
+    assert len(pieces) > 1
+    assert "".join(pieces) == gen.generate(PROMPTS[1], max_new_tokens=12, **NO_EOS).text
+
+
+def test_chat_messages_and_text_prompts():
+    target = tiny_target("llama")
+    gen = SpeculativeGenerator(target, make_head(target))
+    messages = [{"role": "user", "content": "hello world"}]
+    ids = target.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)["input_ids"]
+    assert gen.encode(messages) == ids
+    assert gen.generate(messages, max_new_tokens=8, **NO_EOS).tokens == greedy(target, ids, 8)
+    assert gen.encode("hello world") == target.tokenizer("hello world").input_ids
+    with pytest.raises(ValueError, match="empty"):
+        gen.generate([], max_new_tokens=4)
+
+
+def test_auto_total_tokens_tunes_once_and_stays_exact():
+    target = tiny_target("mistral")
+    gen = SpeculativeGenerator(target, make_head(target), TreeOptions(total_tokens="auto", top_k=4, depth=5))
+    res = gen.generate(PROMPTS[2], max_new_tokens=10, **NO_EOS)
+    assert isinstance(gen.total_tokens, int) and 1 <= gen.total_tokens <= 64
+    assert res.tokens == greedy(target, PROMPTS[2], 10)
+
+
+def test_pick_total_tokens_trades_gain_against_cost():
+    confident = torch.zeros(1, 64)  # every node surely accepted
+    hopeless = torch.full((1, 64), -20.0)
+    flat = {1: 1.0, 8: 1.0, 16: 1.0, 32: 1.0, 64: 1.0}
+    steep = {1: 1.0, 8: 8.0, 16: 16.0, 32: 32.0, 64: 64.0}
+    assert pick_total_tokens(flat, confident) == 64
+    assert pick_total_tokens(steep, hopeless) == 1
+    assert pick_total_tokens(steep, confident) < 64
