@@ -9,10 +9,19 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("generate", help="speculative generation from a prompt with a trained head",
                        description="Generate text from --prompt with the target, accelerated by the draft head. "
                        "Greedy output is token-identical to the target's own; sampling keeps its distribution.")
-    p.set_defaults(func=_todo)
+    p.add_argument("--prompt", required=True, help="the prompt; sent as a user message through the chat template "
+                   "when the tokenizer has one (see --raw)")
+    p.add_argument("--raw", action="store_true", help="tokenize --prompt as is, without the chat template")
+    p.add_argument("--stats", action="store_true", help="print acceptance and timing stats to stderr at the end")
+    _add_generation_options(p)
+    p.set_defaults(func=_generate)
     p = sub.add_parser("chat", help="interactive chat with streaming speculative generation",
-                       description="Chat with the target through its chat template; replies stream as tokens are accepted.")
-    p.set_defaults(func=_todo)
+                       description="Chat with the target through its chat template; replies stream as tokens are "
+                       "accepted. Type /reset to forget the conversation, /exit (or Ctrl-D) to quit.")
+    p.add_argument("--system", default=None, help="optional system message")
+    p.add_argument("--stats", action="store_true", help="print acceptance and timing stats after each reply")
+    _add_generation_options(p)
+    p.set_defaults(func=_chat)
     p = sub.add_parser("bench", help="benchmark a head against plain generate on MT-bench style questions",
                        description="Measure acceptance length, per-position acceptance and end-to-end speedup "
                        "against plain transformers generate, interleaved in one process.",
@@ -53,8 +62,83 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=_demo)
 
 
-def _todo(args: argparse.Namespace) -> int:
-    raise NotImplementedError(f"eyas {args.command} is not implemented yet")
+def _add_generation_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--target", required=True, help="target model: local HF folder, .gguf file, hub id or `smollm2-135m`")
+    p.add_argument("--head", required=True, help="draft head folder (eyas, SGLang, speculators or EAGLE-1 layout)")
+    p.add_argument("--max-new-tokens", type=int, default=256, help="new tokens per reply (default 256)")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default); >0 samples")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling threshold (default 1.0 = off)")
+    p.add_argument("--top-k", type=int, default=0, help="sampling top-k (default 0 = off)")
+    p.add_argument("--seed", type=int, default=None, help="sampling seed (default: not seeded)")
+    p.add_argument("--stop", action="append", default=None, metavar="TEXT", help="stop string (repeatable)")
+    p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"], help="target and head dtype (default fp32)")
+    add_tree_options(p)
+
+
+def _load_generator(args: argparse.Namespace):
+    from eyas.inference import SpeculativeGenerator
+
+    return SpeculativeGenerator.from_pretrained(args.target, args.head, dtype=args.dtype, **tree_options(args))
+
+
+def _sampling_kwargs(args: argparse.Namespace) -> dict:
+    return dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
+                top_k=args.top_k, seed=args.seed, stop=args.stop)
+
+
+def format_stats(stats) -> str:
+    """One line: τ, throughput, and where the time went."""
+    n = sum(stats.accepted) + 1  # + the token sampled at prefill
+    overhead = stats.total_time_s - stats.draft_time_s - stats.target_time_s
+    return (f"tau {stats.mean_accepted:.2f} tokens/forward over {len(stats.accepted)} cycles | {n} tokens in "
+            f"{stats.total_time_s:.2f}s ({n / max(stats.total_time_s, 1e-9):.1f} tok/s) | draft {stats.draft_time_s:.2f}s "
+            f"target {stats.target_time_s:.2f}s (prefill {stats.prefill_time_s:.2f}s) overhead {overhead:.2f}s")
+
+
+def _stream(gen, prompt, args: argparse.Namespace) -> str:
+    """Print the reply as it is accepted (stats to stderr with --stats); return its text."""
+    import sys
+
+    from eyas.inference import GenerationStats
+
+    stats, pieces = GenerationStats(), []
+    for piece in gen.stream(prompt, stats=stats, **_sampling_kwargs(args)):
+        pieces.append(piece)
+        print(piece, end="", flush=True)
+    print()
+    if args.stats:
+        print(format_stats(stats), file=sys.stderr)
+    return "".join(pieces)
+
+
+def _generate(args: argparse.Namespace) -> int:
+    gen = _load_generator(args)
+    raw = args.raw or not getattr(gen.target.tokenizer, "chat_template", None)
+    _stream(gen, args.prompt if raw else [{"role": "user", "content": args.prompt}], args)
+    return 0
+
+
+def _chat(args: argparse.Namespace) -> int:
+    gen = _load_generator(args)
+    if not getattr(gen.target.tokenizer, "chat_template", None):
+        raise ValueError(f"target {args.target!r} has no chat template; use `eyas generate --raw` instead")
+    start = [{"role": "system", "content": args.system}] if args.system else []
+    messages = list(start)
+    while True:
+        try:
+            line = input("> ").strip()
+        except (EOFError, KeyboardInterrupt):
+            print()
+            return 0
+        if line == "/exit":
+            return 0
+        if line == "/reset":
+            messages = list(start)
+            continue
+        if not line:
+            continue
+        messages.append({"role": "user", "content": line})
+        messages.append({"role": "assistant", "content": _stream(gen, messages, args)})
 
 
 def add_tree_options(p: argparse.ArgumentParser) -> None:
