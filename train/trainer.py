@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -104,7 +105,8 @@ class Trainer:
         self.log(check_launch(acc, c))
         set_seed(c.seed)
 
-        self.target = Target.load(c.target.spec, dtype=c.target.dtype, device=acc.device)
+        with _unsharded_loading(acc.state.deepspeed_plugin):
+            self.target = Target.load(c.target.spec, dtype=c.target.dtype, device=acc.device)
         with acc.main_process_first():
             self.train_set, self.held_out, summary = load_examples(c.data, self.target, c.seed)
         self.log(f"data: {summary}; {len(self.train_set)} train / {len(self.held_out)} held-out examples")
@@ -220,6 +222,8 @@ class Trainer:
         window_tokens, window_start = 0, time.perf_counter()
         stopped = False
         try:
+            if c.logging.eval_every and self.step == 0:
+                self.evaluate()  # the baseline of the held-out acceptance curve
             self.model.train()
             while self.step < self.total_steps:
                 step_loss = 0.0
@@ -372,6 +376,23 @@ class Trainer:
 
     def cleanup(self) -> None:
         self.accelerator.end_training()
+
+
+@contextlib.contextmanager
+def _unsharded_loading(plugin):
+    """Under ZeRO-3 accelerate registers its DeepSpeed config with transformers, whose from_pretrained then
+    shards the model at construction (zero.Init). The target is frozen and runs outside the engine, so it
+    is loaded whole in every process; the registration is restored afterwards."""
+    if plugin is None or plugin.zero_stage != 3:
+        yield
+        return
+    from transformers.integrations import unset_hf_deepspeed_config
+
+    unset_hf_deepspeed_config()
+    try:
+        yield
+    finally:
+        plugin.set_deepspeed_weakref()
 
 
 def _add(into: dict[str, float], values: dict[str, float]) -> None:
