@@ -86,12 +86,13 @@ class SpeculativeGenerator:
 
     @classmethod
     def from_pretrained(cls, target: str | Target, head: str | DraftHead, dtype: str = "fp32",
-                        **tree_options) -> "SpeculativeGenerator":
-        """target: a Target or a spec for Target.load; head: a DraftHead or a head folder."""
+                        device: str | torch.device = "cpu", **tree_options) -> "SpeculativeGenerator":
+        """target: a Target (used where it is) or a spec for Target.load; head: a DraftHead or a head folder.
+        tree_options: the fields of TreeOptions (kind, depth, top_k, total_tokens, paths)."""
         from eyas.models import load_head
 
         if isinstance(target, str):
-            target = Target.load(target, dtype=dtype)
+            target = Target.load(target, dtype=dtype, device=device)
         if isinstance(head, str):
             head = load_head(head, target)
         head.bind(target)
@@ -164,6 +165,11 @@ class SpeculativeGenerator:
         start = clock()
         gen = torch.Generator(dev).manual_seed(seed) if seed is not None else None
         b, t = len(prompts), max(len(p) for p in prompts)
+        limit = getattr(target.config, "max_position_embeddings", None)
+        longest = max(len(p) + r.max_new_tokens for p, r in zip(prompts, rows))
+        if limit is not None and longest > limit:
+            raise ValueError(f"prompt + max_new_tokens = {longest} tokens exceeds the target's "
+                             f"max_position_embeddings ({limit}); shorten the prompt or lower max_new_tokens")
         pad = target.tokenizer.pad_token_id if target.tokenizer is not None and target.tokenizer.pad_token_id is not None else 0
         ids = torch.tensor([[pad] * (t - len(p)) + p for p in prompts], device=dev)
         valid = torch.tensor([[False] * (t - len(p)) + [True] * len(p) for p in prompts], device=dev)

@@ -161,3 +161,10 @@ def test_pick_total_tokens_trades_gain_against_cost():
     assert pick_total_tokens(flat, confident) == 64
     assert pick_total_tokens(steep, hopeless) == 1
     assert pick_total_tokens(steep, confident) < 64
+
+
+def test_too_long_request_is_refused():
+    target = tiny_target("llama")  # max_position_embeddings 512
+    gen = SpeculativeGenerator(target, make_head(target))
+    with pytest.raises(ValueError, match="max_position_embeddings"):
+        gen.generate(PROMPTS[0], max_new_tokens=510)
