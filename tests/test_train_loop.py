@@ -95,3 +95,25 @@ def test_nan_loss_stops_with_last_checkpoint_intact(tmp_path, monkeypatch):
     head = load_head(saved[0] / "head")
     assert all(torch.isfinite(v).all() for v in head.state_dict().values() if v.is_floating_point())
     assert not (out / "head").exists()
+
+
+def test_offline_cache_trains_like_online(tmp_path):
+    """A run reading the data layer's hidden-state cache (fp32) sees the same examples and losses as online."""
+    from eyas.data import build_examples
+    from eyas.data.hidden_cache import cache_hidden
+    from eyas.models import Target, default_fused_layer_ids
+
+    online = tiny_run_config(tmp_path / "online", "schedule.total_steps=2")
+    target = Target.load(online.target.spec)
+    examples, _ = build_examples(online.data.source, target.tokenizer, max_length=online.data.max_length)
+    cache = tmp_path / "cache-hidden"
+    cache_hidden(target, examples, cache, layer_ids=default_fused_layer_ids(target.num_layers), dtype="fp32")
+    run(online)
+    reset_accelerate()
+    run(tiny_run_config(tmp_path / "offline", "schedule.total_steps=2", "data.hidden_states=offline",
+                        f"data.cache_dir={cache}"))
+    assert losses(tmp_path / "offline") == pytest.approx(losses(tmp_path / "online"), abs=1e-4)
+    reset_accelerate()
+    with pytest.raises(ValueError, match="holds layers"):
+        Trainer(tiny_run_config(tmp_path / "bad", "data.hidden_states=offline", f"data.cache_dir={cache}",
+                                "head.type=eagle1"))

@@ -27,27 +27,25 @@ class Examples(Protocol):
 
 def load_examples(config: DataConfig, target, seed: int) -> tuple[Examples, Examples, str]:
     """(train, held_out, summary line). Online: tokenized conversations; offline: the hidden-state cache
-    (items carry `hidden` and, for EAGLE-3, `features`), split by index with the same seed."""
+    (items also carry `hidden` and, for EAGLE-3, `features`). Both are split by `split_indices`, so a
+    cache built from the same examples gives an offline run the same train/held-out rows as online."""
     if config.hidden_states == "offline":
         from eyas.data.hidden_cache import HiddenStateDataset
 
         cache = HiddenStateDataset(config.cache_dir, target)
         train_idx, held_idx = split_indices(len(cache), config.held_out, seed)
         return Subset(cache, train_idx), Subset(cache, held_idx), f"{len(cache)} cached examples in {config.cache_dir}"
-    from eyas.data import build_examples, split_examples
+    from eyas.data import build_examples
 
-    examples, summary = build_examples(config.source, target.tokenizer, max_length=config.max_length,
-                                       assistant_turns=config.assistant_turns, field_map=config.field_map,
-                                       limit=config.limit, num_proc=config.num_proc if config.num_proc > 1 else None)
-    if config.held_out == 0:
-        return examples, examples.select([]), str(summary)
-    held = int(config.held_out) if config.held_out >= 1 else config.held_out
-    train, held_out = split_examples(examples, held, seed)
-    return train, held_out, str(summary)
+    examples, skips = build_examples(config.source, target.tokenizer, max_length=config.max_length,
+                                     assistant_turns=config.assistant_turns, field_map=config.field_map,
+                                     limit=config.limit, num_proc=config.num_proc if config.num_proc > 1 else None)
+    train_idx, held_idx = split_indices(len(examples), config.held_out, seed)
+    return examples.select(train_idx), examples.select(held_idx), str(skips)
 
 
 def split_indices(n: int, held_out: float, seed: int) -> tuple[list[int], list[int]]:
-    """Seeded index split for the offline cache; held_out is a fraction (<1) or a count."""
+    """Seeded (train, held-out) index split; held_out is a fraction (<1) or a count."""
     count = int(held_out) if held_out >= 1 else round(held_out * n)
     if held_out > 0:
         count = max(count, 1)
@@ -58,7 +56,7 @@ def split_indices(n: int, held_out: float, seed: int) -> tuple[list[int], list[i
 
 
 class Subset:
-    """Rows `index` of `examples` (the offline cache has no .select)."""
+    """Rows `index` of the offline cache (which, unlike a datasets.Dataset, has no .select)."""
 
     def __init__(self, examples: Examples, index: list[int]) -> None:
         self.examples, self.index = examples, index
