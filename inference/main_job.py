@@ -19,11 +19,10 @@ QUESTIONS_HINT = ("pass --questions: an MT-bench question.jsonl (FastChat's "
 
 def run_main_job(
     config: str | os.PathLike, questions: str | os.PathLike | None, head_out: str | os.PathLike,
-    report: str | os.PathLike | None = None, dtype: str = "bf16", limit: int | None = None,
+    report: str | os.PathLike | None = None, dtype: str = "fp32", limit: int | None = None,
     max_new_tokens: int = 256, overrides: Sequence[str] = (),
 ) -> int:
     """Run train -> export -> bench; returns the exit status of the first failing step, else 0."""
-    from eyas.train.checkpoint import list_checkpoints
     from eyas.train.config import load_config
 
     if questions is None:
@@ -35,10 +34,10 @@ def run_main_job(
     rc = _step(["train", "--config", str(config), *overrides])
     if rc:
         return rc
-    checkpoints = list_checkpoints(run.output_dir)
-    if not checkpoints:
-        raise ValueError(f"training finished but wrote no checkpoint under {run.output_dir}")
-    rc = _step(["export", str(checkpoints[-1]), "--out", str(head_out)])
+    trained = Path(run.output_dir) / "head"  # the trainer's final head
+    if not trained.is_dir():
+        raise FileNotFoundError(f"training finished but wrote no final head at {trained}")
+    rc = _step(["export", str(trained), "--out", str(head_out)])
     if rc:
         return rc
     report = Path(report) if report is not None else Path(run.output_dir) / "bench" / "report.json"
