@@ -10,7 +10,7 @@ from inference_fixtures import always_accept_first_child
 from tiny import tiny_target
 
 PROMPT = [5, 6, 7, 8, 9]
-N, STEPS, VOCAB = 2000, 3, 16
+N, STEPS, VOCAB = 1500, 3, 16
 SETTINGS = [Sampling(1.0), Sampling(1.0, top_k=6), Sampling(0.8, top_p=0.7)]
 
 
