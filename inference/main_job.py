@@ -31,21 +31,17 @@ def run_main_job(
     config = _find_config(config)
     run = load_config(config, list(overrides))
 
-    rc = _step(["train", "--config", str(config), *overrides])
-    if rc:
-        return rc
-    trained = Path(run.output_dir) / "head"  # the trainer's final head
-    if not trained.is_dir():
-        raise FileNotFoundError(f"training finished but wrote no final head at {trained}")
-    rc = _step(["export", str(trained), "--out", str(head_out)])
-    if rc:
-        return rc
     report = Path(report) if report is not None else Path(run.output_dir) / "bench" / "report.json"
-    bench = ["bench", "--target", run.target.spec, "--head", str(head_out), "--questions", str(questions),
-             "--out", str(report), "--dtype", dtype, "--max-new-tokens", str(max_new_tokens), "--prompt-lookup"]
-    rc = _step(bench + (["--limit", str(limit)] if limit is not None else []))
-    if rc:
-        return rc
+    steps = [
+        ["train", "--config", str(config), *overrides],
+        ["export", str(Path(run.output_dir) / "head"), "--out", str(head_out)],  # the trainer's final head
+        ["bench", "--target", run.target.spec, "--head", str(head_out), "--questions", str(questions),
+         "--out", str(report), "--dtype", dtype, "--max-new-tokens", str(max_new_tokens), "--prompt-lookup",
+         *(["--limit", str(limit)] if limit is not None else [])],
+    ]
+    for argv in steps:
+        if rc := _step(argv):
+            return rc
     print(f"\nhead:   {head_out}  (trained in {run.output_dir})\nreport: {report}\nplot:   {report.with_suffix('.png')}")
     return 0
 
