@@ -28,23 +28,16 @@ def register(sub: argparse._SubParsersAction) -> None:
                        epilog="Questions: one JSON object per line, MT-bench / Spec-Bench rows "
                        "({question_id, category, turns}: the first turn goes through the target's chat template) "
                        "or HumanEval-style rows ({prompt}: used raw). Writes REPORT.json and REPORT.png beside it.")
-    p.add_argument("--target", required=True, help="target model: local HF folder, .gguf file, hub id or `smollm2-135m`")
-    p.add_argument("--head", required=True, help="draft head folder (eyas, SGLang, speculators or EAGLE-1 layout)")
+    _add_model_options(p)
     p.add_argument("--questions", required=True, help="questions .jsonl (e.g. MT-bench question.jsonl)")
     p.add_argument("--out", required=True, help="report .json path; the plot goes beside it as .png")
-    p.add_argument("--max-new-tokens", type=int, default=256, help="new tokens per question (default 256)")
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default); >0 samples on both sides")
-    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling threshold (default 1.0 = off)")
-    p.add_argument("--top-k", type=int, default=0, help="sampling top-k (default 0 = off)")
+    _add_sampling_options(p)
     p.add_argument("--seed", type=int, default=0, help="sampling seed; question i uses seed+i on both sides")
-    p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"],
-                   help="target and head dtype (default fp32: greedy outputs must match exactly)")
     p.add_argument("--device", default="cpu", help="torch device for target and head, e.g. cuda (default cpu)")
     p.add_argument("--limit", type=int, default=None, help="only the first N questions")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--prompt-lookup", type=int, nargs="?", const=10, default=None, metavar="N",
                    help="also run transformers prompt-lookup decoding with N candidate tokens (default N=10)")
-    add_tree_options(p)
     p.set_defaults(func=_bench)
     p = sub.add_parser("demo", help="the main job: train the demo head, export it, benchmark it on MT-bench",
                        description="Train the demo EAGLE-3 head for SmolLM2-135M-Instruct on ShareGPT "
@@ -64,16 +57,25 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def _add_generation_options(p: argparse.ArgumentParser) -> None:
+    _add_model_options(p)
+    _add_sampling_options(p)
+    p.add_argument("--seed", type=int, default=None, help="sampling seed (default: not seeded)")
+    p.add_argument("--stop", action="append", default=None, metavar="TEXT", help="stop string (repeatable)")
+
+
+def _add_model_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target", required=True, help="target model: local HF folder, .gguf file, hub id or `smollm2-135m`")
     p.add_argument("--head", required=True, help="draft head folder (eyas, SGLang, speculators or EAGLE-1 layout)")
+    p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"],
+                   help="target and head dtype (default fp32, where greedy output is exactly the target's)")
+    add_tree_options(p)
+
+
+def _add_sampling_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-new-tokens", type=int, default=256, help="new tokens per reply (default 256)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default); >0 samples")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling threshold (default 1.0 = off)")
     p.add_argument("--top-k", type=int, default=0, help="sampling top-k (default 0 = off)")
-    p.add_argument("--seed", type=int, default=None, help="sampling seed (default: not seeded)")
-    p.add_argument("--stop", action="append", default=None, metavar="TEXT", help="stop string (repeatable)")
-    p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"], help="target and head dtype (default fp32)")
-    add_tree_options(p)
 
 
 def _load_generator(args: argparse.Namespace):
