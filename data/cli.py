@@ -82,18 +82,9 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def _tokenizer(spec: str):
     """Only the tokenizer of a target (no weights loaded)."""
-    from pathlib import Path
+    from eyas.models.loading import load_tokenizer
 
-    from transformers import AutoTokenizer
-
-    from eyas.models.loading import ALIASES, _alias_folder
-
-    if spec in ALIASES:
-        return AutoTokenizer.from_pretrained(_alias_folder(spec))
-    path = Path(spec).expanduser()
-    if path.suffix == ".gguf":
-        return AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
-    return AutoTokenizer.from_pretrained(spec)
+    return load_tokenizer(spec)
 
 
 def _held_out(x: float) -> float | int:

@@ -39,12 +39,6 @@ def _packaged_file(package: str, filename: str) -> Path:
     return path
 
 
-def _load_gguf(path: Path, dtype: torch.dtype) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
-    tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
-    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=dtype)
-    return model, tokenizer
-
-
 def _alias_folder(alias: str) -> Path:
     """Dequantize the packaged GGUF once into a safetensors folder; later loads take ~1 s, not ~14 s."""
     package, filename, hub_name = ALIASES[alias]
@@ -52,7 +46,8 @@ def _alias_folder(alias: str) -> Path:
     if (folder / "config.json").is_file():
         return folder
     gguf = _packaged_file(package, filename)
-    model, tokenizer = _load_gguf(gguf, torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
     # The GGUF loader leaves a quantizer marker that would make save_pretrained refuse/record a
     # quantization the safetensors do not have; the weights are already dequantized.
     model.hf_quantizer = None
@@ -71,31 +66,41 @@ def _alias_folder(alias: str) -> Path:
     return folder
 
 
+def resolve_spec(spec: str) -> tuple[str | Path, str | None, str]:
+    """A target spec -> (folder or hub id, gguf file name inside the folder or None, canonical name)."""
+    if spec in ALIASES:
+        return _alias_folder(spec), None, spec
+    path = Path(spec).expanduser()
+    if path.suffix == ".gguf":
+        if not path.is_file():
+            raise FileNotFoundError(f"target GGUF file {path} does not exist")
+        return path.parent, path.name, str(path)
+    if path.exists():
+        if not (path / "config.json").is_file():
+            raise FileNotFoundError(f"target folder {path} has no config.json")
+        return path, None, str(path)
+    if spec.count("/") == 1 and not spec.startswith((".", "/")):
+        return spec, None, spec  # hub id
+    raise FileNotFoundError(
+        f"target {spec!r} is neither a folder, a .gguf file, a hub id, nor an alias ({', '.join(ALIASES)})"
+    )
+
+
+def load_tokenizer(spec: str) -> PreTrainedTokenizerBase:
+    """Only the target's tokenizer, without loading its weights."""
+    where, gguf_file, _ = resolve_spec(spec)
+    try:
+        return AutoTokenizer.from_pretrained(where, gguf_file=gguf_file)
+    except OSError as e:
+        raise OSError(f"could not load the tokenizer of target {spec!r}: {e}") from e
+
+
 def load_model_and_tokenizer(spec: str, dtype: torch.dtype) -> tuple[PreTrainedModel, PreTrainedTokenizerBase, str]:
     """Returns (model, tokenizer, canonical name recorded in heads trained on it)."""
-    if spec in ALIASES:
-        folder = _alias_folder(spec)
-        name = spec
-    else:
-        path = Path(spec).expanduser()
-        if path.suffix == ".gguf":
-            if not path.is_file():
-                raise FileNotFoundError(f"target GGUF file {path} does not exist")
-            model, tokenizer = _load_gguf(path, dtype)
-            return model, tokenizer, str(path)
-        if path.exists():
-            if not (path / "config.json").is_file():
-                raise FileNotFoundError(f"target folder {path} has no config.json")
-            folder, name = path, str(path)
-        elif spec.count("/") == 1 and not spec.startswith((".", "/")):
-            folder, name = spec, spec  # hub id
-        else:
-            raise FileNotFoundError(
-                f"target {spec!r} is neither a folder, a .gguf file, a hub id, nor an alias ({', '.join(ALIASES)})"
-            )
+    where, gguf_file, name = resolve_spec(spec)
+    tokenizer = load_tokenizer(spec)
     try:
-        tokenizer = AutoTokenizer.from_pretrained(folder)
-        model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype)
+        model = AutoModelForCausalLM.from_pretrained(where, gguf_file=gguf_file, dtype=dtype)
     except OSError as e:
         raise OSError(f"could not load target {spec!r}: {e}") from e
     return model, tokenizer, name
