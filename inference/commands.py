@@ -49,7 +49,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--head-out", default="heads/smollm2-135m-eagle3", help="where the exported head goes")
     p.add_argument("--report", default=None, help="bench report path (default: <run output_dir>/bench/report.json)")
     p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"],
-                   help="bench dtype (default fp32: exact greedy outputs; CPUs without native bf16 run bf16 slower)")
+                   help="bench dtype (default fp32, where greedy outputs must equal plain generate exactly; "
+                   "bf16 is faster on most machines but not bit-identical)")
     p.add_argument("--limit", type=int, default=None, help="bench only the first N questions")
     p.add_argument("--max-new-tokens", type=int, default=256, help="new tokens per question (default 256)")
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="training config overrides, e.g. schedule.total_steps=50")
