@@ -151,8 +151,10 @@ def _next_prompt(job: Job, tokenizer, cfg: GenerationConfig) -> list[int] | None
     """Token ids for the job's next assistant turn, or None when the conversation is finished."""
     if cfg.max_turns is not None and job.turns_done >= cfg.max_turns:
         return None
-    while job.turn < len(job.messages) and job.messages[job.turn]["role"] != "assistant":
-        job.out.append(job.messages[job.turn])
+    while job.turn < len(job.messages) and (job.messages[job.turn]["role"] != "assistant"
+                                            or not any(m["role"] == "user" for m in job.out)):
+        if job.messages[job.turn]["role"] != "assistant":  # an answer with no question before it is dropped
+            job.out.append(job.messages[job.turn])
         job.turn += 1
     if job.turn >= len(job.messages):
         return None
