@@ -24,7 +24,7 @@ from .target import Target
 
 @dataclass
 class HeadOutput:
-    logits: torch.Tensor  # [B, T, draft_vocab_size]
+    logits: torch.Tensor | None  # [B, T, draft_vocab_size]; None when forward(logits=False)
     hidden: torch.Tensor  # [B, T, H], fed back as the next step's feature
 
 
@@ -114,6 +114,7 @@ class DraftHead(nn.Module):
         position_ids: torch.Tensor,
         attention_mask: torch.Tensor | None = None,
         cache: HeadCache | None = None,
+        logits: bool = True,
     ) -> HeadOutput:
         """One draft step.
 
@@ -121,6 +122,7 @@ class DraftHead(nn.Module):
         feature is in `hidden`, as in EAGLE); hidden [B, T, H] from `fuse` or a previous step;
         position_ids [B, T]; attention_mask [B, T, len(cache)+T] bool (True = may attend), or None for
         causal attention within this block (only valid with an empty cache); cache is extended in place.
+        logits=False skips the vocabulary projection (training projects only the rows that carry loss).
         """
         if self.shared["embed_tokens"] is None:
             raise RuntimeError("the head is not bound to a target: call head.bind(target) first")
@@ -135,11 +137,13 @@ class DraftHead(nn.Module):
         rope = self.rotary(position_ids, dtype)
         for i, layer in enumerate(self.layers):
             x = layer(x, rope, mask, cache, i, emb=emb if i == 0 else None)
+        return HeadOutput(logits=self.project(x) if logits else None, hidden=x)
+
+    def project(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Head hidden [..., H] -> logits [..., draft_vocab_size] (eagle1: the target's lm_head)."""
         if self.config.head_type == "eagle3":
-            logits = self.lm_head(self.norm(x))
-        else:
-            logits = self.shared["lm_head"](x.to(self.shared["lm_head"].weight.dtype))
-        return HeadOutput(logits=logits, hidden=x)
+            return self.lm_head(self.norm(hidden))
+        return self.shared["lm_head"](hidden.to(self.shared["lm_head"].weight.dtype))
 
     def new_cache(self) -> HeadCache:
         return HeadCache(self.config.num_layers)

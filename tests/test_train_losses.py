@@ -1,14 +1,66 @@
 """EAGLE-1/EAGLE-3 losses: the TTT mask as a literal matrix, TTT equals step-by-step drafting,
+the optimised losses equal a straightforward reference (kept here) in value and gradients,
 out-of-draft-vocab positions are counted, and the acceptance-length estimate."""
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from tiny import tiny_target
 
 from eyas.models import DraftHead, head_config_for
 from eyas.train.config import LossConfig
-from eyas.train.losses import acceptance, eagle1_loss, eagle3_ttt_loss, ttt_mask, ttt_unroll
+from eyas.train.losses import acceptance, eagle1_loss, eagle3_ttt_loss, feature_noise, soft_cross_entropy, ttt_mask
+
+
+# ---- the straightforward reference: every step at every index, full logits, then mask -------------
+def reference_unroll(head, input_ids, hidden, steps):
+    """Step i over all T-1 indices with mask [causal | eye * i]; returns one HeadOutput per step."""
+    b, n = hidden.shape[:2]
+    causal = torch.ones(n, n, dtype=torch.bool).tril()
+    eye = torch.eye(n, dtype=torch.bool)
+    cache, outputs = head.new_cache(), []
+    for i in range(min(steps, n)):
+        ids = torch.cat([input_ids[:, 1 + i:], input_ids.new_zeros(b, i)], dim=1)
+        mask = torch.cat([causal] + [eye] * i, dim=-1).expand(b, -1, -1)
+        out = head(ids, hidden, (torch.arange(n) + i).expand(b, -1), mask, cache)
+        hidden = out.hidden
+        outputs.append(out)
+    return outputs
+
+
+def reference_eagle3(head, input_ids, valid, features, target_logits, config):
+    b, t = input_ids.shape
+    target_top = target_logits.argmax(-1)
+    in_vocab = head.t2d[target_top]
+    restricted = target_logits.gather(-1, head.draft_to_target.expand(b, t, -1))
+    hidden = feature_noise(head.fuse(features[:, : t - 1]), config.feature_noise)
+    loss, metrics = 0.0, {}
+    for i, out in enumerate(reference_unroll(head, input_ids, hidden, config.ttt_steps)):
+        logits = out.logits[:, : t - 1 - i]
+        keep = valid[:, 1 + i:].float()
+        count = keep.sum()
+        step_loss = (soft_cross_entropy(logits, restricted[:, 1 + i:]) * keep).sum() / count.clamp(min=1)
+        loss = loss + config.step_decay ** i * step_loss
+        hit = head.to_target_ids(logits.argmax(-1)) == target_top[:, 1 + i:]
+        metrics.update({f"loss/step{i}": step_loss.detach() * count, f"correct/step{i}": (hit.float() * keep).sum(),
+                        f"count/step{i}": count, f"oov/step{i}": ((~in_vocab[:, 1 + i:]).float() * keep).sum()})
+    return loss, metrics
+
+
+def reference_eagle1(head, input_ids, valid, target_hidden, target_logits, config):
+    b, t = input_ids.shape
+    out = head(input_ids[:, 1:], feature_noise(head.fuse(target_hidden[:, :-1]), config.feature_noise),
+               torch.arange(t - 1).expand(b, -1))
+    keep = valid[:, 1:].float()
+    count = keep.sum()
+    feature = F.smooth_l1_loss(out.hidden, target_hidden[:, 1:], reduction="none").mean(-1)
+    feature_loss = (feature * keep).sum() / count.clamp(min=1)
+    ce_loss = (soft_cross_entropy(out.logits, target_logits[:, 1:]) * keep).sum() / count.clamp(min=1)
+    correct = ((out.logits.argmax(-1) == target_logits[:, 1:].argmax(-1)).float() * keep).sum()
+    loss = config.feature_weight * feature_loss + config.ce_weight * ce_loss
+    return loss, {"loss/feature": feature_loss.detach() * count, "loss/ce": ce_loss.detach() * count,
+                  "correct/step0": correct, "count/step0": count, "oov/step0": torch.zeros_like(count)}
 
 
 def test_ttt_mask_literal():
@@ -17,7 +69,18 @@ def test_ttt_mask_literal():
         [1, 1, 0, 0, 1, 0, 0, 1, 0],
         [1, 1, 1, 0, 0, 1, 0, 0, 1],
     ], dtype=torch.bool)
-    assert torch.equal(ttt_mask(3, 2, 1, torch.device("cpu"))[0], expected)
+    every = torch.arange(3)[None]
+    assert torch.equal(ttt_mask(every, [every, every], 3)[0], expected)
+
+
+def test_ttt_mask_literal_on_a_subset_with_padding():
+    """Step 2 over rows (1, pad) after step 1 kept rows (0, 1): own index only, never a padding key."""
+    expected = torch.tensor([
+        [1, 1, 0, 0, 1, 0, 1, 0],
+        [1, 0, 0, 0, 0, 0, 0, 0],
+    ], dtype=torch.bool)
+    mask = ttt_mask(torch.tensor([[1, -1]]), [torch.tensor([[0, 1, -1]]), torch.tensor([[1, -1]])], 3)
+    assert torch.equal(mask[0], expected)
 
 
 @pytest.fixture(scope="module")
@@ -36,7 +99,7 @@ def test_ttt_step_equals_sequential_drafting(setup):
     target, head, ids, out = setup
     with torch.no_grad():
         hidden0 = head.fuse(out.features[:, :-1])
-        steps = ttt_unroll(head, ids, hidden0, 3)
+        steps = reference_unroll(head, ids, hidden0, 3)
         for t in (0, 4, 6):
             cache = head.new_cache()
             o = head(ids[:, 1:t + 2], hidden0[:, :t + 1], torch.arange(t + 1).expand(2, -1), None, cache)
@@ -95,3 +158,43 @@ def test_acceptance_chain_estimate():
     a = acceptance(m)
     assert a["acc/step0"] == pytest.approx(0.8) and a["oov/step0"] == pytest.approx(0.1)
     assert a["tau"] == pytest.approx(1 + 0.8 + 0.8 * 0.5)
+
+
+def _grads(head):
+    return {k: p.grad.clone() for k, p in head.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("head_type", ["eagle3", "eagle1"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_optimised_loss_and_gradients_equal_the_reference(head_type, arch):
+    """Loss, metrics and every gradient match the every-index reference, with prompt/assistant/padding
+    masks that leave some rows without loss at late steps and one row without any loss."""
+    target = tiny_target(arch)
+    torch.manual_seed(0)
+    eagle3 = head_type == "eagle3"
+    head = DraftHead(head_config_for(target, head_type, draft_vocab_size=64 if eagle3 else None), target)
+    if eagle3:
+        head.set_vocab_map(torch.arange(0, 128, 2))
+    ids = torch.randint(4, 300, (3, 14))
+    out = target(ids, layer_ids=head.config.fused_layer_ids)
+    states = out.features if eagle3 else out.hidden
+    valid = torch.zeros_like(ids, dtype=torch.bool)
+    valid[0, 3:7] = valid[0, 10:12] = True  # two assistant turns
+    valid[1, 5:9] = True  # then padding
+    config = LossConfig(ttt_steps=4, feature_noise=0.1)
+    fast, reference = (eagle3_ttt_loss, reference_eagle3) if eagle3 else (eagle1_loss, reference_eagle1)
+    results = []
+    for fn in (fast, reference):
+        head.zero_grad()
+        torch.manual_seed(1)  # the same feature noise
+        loss, metrics = fn(head, ids, valid, states, out.logits, config)
+        loss.backward()
+        results.append((loss.detach(), metrics, _grads(head)))
+    (loss, metrics, grads), (ref_loss, ref_metrics, ref_grads) = results
+    assert loss > 0 and torch.allclose(loss, ref_loss, rtol=1e-5, atol=1e-6)
+    assert metrics.keys() == ref_metrics.keys()
+    for k in metrics:
+        assert torch.allclose(metrics[k].float(), ref_metrics[k].float(), rtol=1e-5, atol=1e-5), k
+    assert grads.keys() == ref_grads.keys() and len(grads) == len(list(head.parameters()))
+    for k in grads:
+        assert torch.allclose(grads[k], ref_grads[k], rtol=1e-4, atol=1e-6), (k, (grads[k] - ref_grads[k]).abs().max())

@@ -14,6 +14,13 @@ EAGLE-3 training-time test (TTT), K unrolled steps as inference drafts them:
   Loss = sum_i step_decay**i * soft CE against the target distribution restricted to the draft vocab
   (gathered through draft_to_target and renormalised).
 
+Cost (the head step must stay cheaper than the target forward): the result equals evaluating every
+step at every index, but work is spent only where it can reach the loss. Step 0 runs at every index
+(later steps attend to its keys); step i >= 1 runs only at the indices that still carry loss at some
+step >= i (their step-i keys are only ever read by their own later steps, so the dropped rows change
+nothing); the vocabulary projection and the soft CE run only at rows that carry loss at that step;
+the teacher is cut to loss-carrying rows and the draft vocabulary once, before any step.
+
 Positions whose target argmax lies outside the draft vocab are kept in the soft CE: the renormalised
 target distribution still says how to rank the tokens the head can propose, and dropping them would
 bias training towards easy positions. They can never be accepted, so they count as misses in the
@@ -29,7 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from eyas.models import DraftHead, HeadOutput
+from eyas.models import DraftHead
 
 from .config import LossConfig
 
@@ -40,8 +47,11 @@ Metrics = dict[str, torch.Tensor]
 
 def soft_cross_entropy(logits: torch.Tensor, target_logits: torch.Tensor) -> torch.Tensor:
     """[..., V] x [..., V] -> [...]: cross-entropy of the head against softmax(target_logits)."""
-    p = torch.softmax(target_logits.float(), dim=-1)
-    return -(p * torch.log_softmax(logits.float(), dim=-1)).sum(-1)
+    return _cross_entropy(logits, torch.softmax(target_logits.float(), dim=-1))
+
+
+def _cross_entropy(logits: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
+    return -(probs * torch.log_softmax(logits.float(), dim=-1)).sum(-1)
 
 
 def feature_noise(hidden: torch.Tensor, scale: float) -> torch.Tensor:
@@ -51,14 +61,33 @@ def feature_noise(hidden: torch.Tensor, scale: float) -> torch.Tensor:
     return hidden + (torch.rand_like(hidden) - 0.5) * (scale * 512 / hidden.shape[1])
 
 
-def ttt_mask(length: int, step: int, batch: int, device: torch.device) -> torch.Tensor:
-    """[B, T, (step+1)*T] bool: causal over step-0 keys, then the query's own index in each later step.
+def ttt_mask(query_index: torch.Tensor, key_index: list[torch.Tensor], length: int) -> torch.Tensor:
+    """[B, M, length + sum K_j] bool for one TTT step over a cache of step-0 keys and K_j keys per later step.
 
-    Right padding needs no extra term: a real query only sees indices <= itself, all real.
+    query_index [B, M]: the sequence index t of each query row; key_index: per step j >= 1 (this step
+    included, its keys are cached before attention) [B, K_j], the index of each cached key. -1 marks
+    padding rows. A query at t sees step-0 keys at indices <= t and, in each later step, only the key
+    at its own index. Padding queries see step-0 key 0 (a finite softmax); no query sees a padding key.
+    Right padding of the sequence needs no extra term: a real query only sees indices <= itself, all real.
     """
-    causal = torch.ones(length, length, dtype=torch.bool, device=device).tril()
-    eye = torch.eye(length, dtype=torch.bool, device=device)
-    return torch.cat([causal] + [eye] * step, dim=-1).expand(batch, -1, -1)
+    q = query_index[:, :, None]
+    causal = torch.arange(length, device=q.device) <= q.clamp(min=0)
+    return torch.cat([causal] + [(k[:, None, :] == q) & (k[:, None, :] >= 0) for k in key_index], dim=-1)
+
+
+def _rows(active: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """active [B, n] bool -> (index [B, M]: the active indices of each row in order, -1 padded, M >= 1;
+    rank [B, n]: the position of each active index in its row of `index`)."""
+    n = active.shape[1]
+    ar = torch.arange(n, device=active.device)
+    m = max(int(active.sum(1).max()), 1)
+    index = torch.where(active, ar, n).sort(dim=1).values[:, :m]
+    return index.masked_fill(index == n, -1), active.long().cumsum(1) - 1
+
+
+def _take(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """x [B, n, ...] at index [B, M] (entries >= 0) -> [B, M, ...]."""
+    return x.gather(1, index.view(*index.shape, *([1] * (x.dim() - 2))).expand(-1, -1, *x.shape[2:]))
 
 
 def eagle1_loss(head: DraftHead, input_ids: torch.Tensor, valid: torch.Tensor, target_hidden: torch.Tensor,
@@ -68,61 +97,71 @@ def eagle1_loss(head: DraftHead, input_ids: torch.Tensor, valid: torch.Tensor, t
     n = t - 1
     position_ids = torch.arange(n, device=input_ids.device).expand(b, -1)
     hidden_in = feature_noise(head.fuse(target_hidden[:, :n]), config.feature_noise)
-    out = head(input_ids[:, 1:], hidden_in, position_ids)
-    keep = valid[:, 1:].float()  # [B, n]
-    count = keep.sum()
+    out = head(input_ids[:, 1:], hidden_in, position_ids, logits=False)
+    keep = valid[:, 1:]  # [B, n]
+    count = keep.sum().float()
     denom = count.clamp(min=1)
-    feature = F.smooth_l1_loss(out.hidden.float(), target_hidden[:, 1:].float(), reduction="none").mean(-1)
-    feature_loss = (feature * keep).sum() / denom
-    ce_loss = (soft_cross_entropy(out.logits, target_logits[:, 1:]) * keep).sum() / denom
+    hidden = out.hidden[keep]  # [P, H]: only rows that carry loss reach the (full-vocab) lm_head
+    feature = F.smooth_l1_loss(hidden.float(), target_hidden[:, 1:][keep].float(), reduction="none").mean(-1)
+    feature_loss = feature.sum() / denom
+    logits, teacher = head.project(hidden), target_logits[:, 1:][keep]  # [P, V]
+    ce_loss = soft_cross_entropy(logits, teacher).sum() / denom
     loss = config.feature_weight * feature_loss + config.ce_weight * ce_loss
-    correct = ((out.logits.argmax(-1) == target_logits[:, 1:].argmax(-1)).float() * keep).sum()
+    correct = (logits.argmax(-1) == teacher.argmax(-1)).sum().float()
     metrics = {"loss/feature": feature_loss.detach() * count, "loss/ce": ce_loss.detach() * count,
                "correct/step0": correct, "count/step0": count, "oov/step0": torch.zeros_like(count)}
     return loss, metrics
-
-
-def ttt_unroll(head: DraftHead, input_ids: torch.Tensor, hidden: torch.Tensor, steps: int) -> list[HeadOutput]:
-    """The K draft steps of training-time test over every index at once.
-
-    input_ids [B, T]; hidden [B, T-1, H] the fused step-0 input. Returns one HeadOutput
-    (logits [B, T-1, Dv], hidden [B, T-1, H]) per step; step i at index t is what inference computes
-    for draft depth i after the target's token t+1 (see the module docstring).
-    """
-    b, n = hidden.shape[:2]
-    cache = head.new_cache()
-    outputs = []
-    for i in range(min(steps, n)):
-        ids = torch.cat([input_ids[:, 1 + i:], input_ids.new_zeros(b, i)], dim=1)  # [B, n], zeros past the end
-        position_ids = (torch.arange(n, device=input_ids.device) + i).expand(b, -1)
-        out = head(ids, hidden, position_ids, ttt_mask(n, i, b, input_ids.device), cache)
-        hidden = out.hidden
-        outputs.append(out)
-    return outputs
 
 
 def eagle3_ttt_loss(head: DraftHead, input_ids: torch.Tensor, valid: torch.Tensor, target_features: torch.Tensor,
                     target_logits: torch.Tensor, config: LossConfig) -> tuple[torch.Tensor, Metrics]:
     """input_ids, valid [B, T]; target_features [B, T, F] fused-layer inputs; target_logits [B, T, V]."""
     b, t = input_ids.shape
-    target_top = target_logits.argmax(-1)  # [B, T] in target ids
-    in_vocab = head.t2d[target_top]  # [B, T]
-    restricted = target_logits.gather(-1, head.draft_to_target.expand(b, t, -1))  # [B, T, Dv]
-    hidden = feature_noise(head.fuse(target_features[:, : t - 1]), config.feature_noise)
+    n = t - 1
+    steps = min(config.ttt_steps, n)
+    # Teacher rows: every loss-carrying index u >= 1, cut to the draft vocab before anything else.
+    taught = valid.clone()
+    taught[:, 0] = False  # index 0 is never predicted
+    flat = taught.flatten().nonzero().squeeze(1)  # [P]
+    teacher_row = taught.flatten().long().cumsum(0).view(b, t) - 1  # [B, T] row of (b, u) in the teacher tables
+    logits_2d = target_logits.flatten(0, 1)  # [B*T, V], a view
+    probs = torch.softmax(logits_2d[flat[:, None], head.draft_to_target[None, :]].float(), dim=-1)  # [P, Dv]
+    target_top = logits_2d.argmax(-1)[flat]  # [P] target ids
+    in_vocab = head.t2d[target_top]  # [P]
+
+    # carries[i][:, t]: step i at index t learns the distribution at t+1+i, which carries loss
+    shifted = torch.cat([valid[:, 1:], valid.new_zeros(b, steps)], dim=1)  # [B, n + steps]
+    carries = torch.stack([shifted[:, i:i + n] for i in range(steps)])  # [K, B, n]
+    needed = carries.flip(0).cumsum(0, dtype=torch.int32).flip(0) > 0  # step i still leads to a loss
+
+    hidden = feature_noise(head.fuse(target_features[:, :n]), config.feature_noise)  # [B, n, H]
+    cache = head.new_cache()
+    index = torch.arange(n, device=input_ids.device).expand(b, -1)  # step 0: every index, causal (mask None)
+    rank, mask, key_index = index, None, []
     loss = target_logits.new_zeros((), dtype=torch.float32)
     metrics: Metrics = {}
-    for i, out in enumerate(ttt_unroll(head, input_ids, hidden, config.ttt_steps)):
-        m = t - 1 - i  # only indices whose target logits (at t+1+i) exist
-        logits = out.logits[:, :m]
-        keep = valid[:, 1 + i:].float()  # [B, m]
-        count = keep.sum()
-        step_loss = (soft_cross_entropy(logits, restricted[:, 1 + i:]) * keep).sum() / count.clamp(min=1)
+    for i in range(steps):
+        if i > 0:  # keep the rows that still lead to a loss; feed back their previous-step hidden
+            index, next_rank = _rows(needed[i])
+            hidden = _take(hidden, _take(rank, index.clamp(min=0)).clamp(min=0))
+            rank = next_rank
+            key_index.append(index)
+            mask = ttt_mask(index, key_index, n)
+        at = index.clamp(min=0)
+        ids = input_ids.gather(1, (at + 1 + i).clamp(max=t - 1))  # teacher forcing: token t+1+i
+        out = head(ids, hidden, at + i, mask, cache, logits=False)
+        hidden = out.hidden  # [B, M, H]
+        sel = _take(carries[i], at) & (index >= 0)  # [B, M] rows with loss at this step
+        rows = _take(teacher_row, (at + 1 + i).clamp(max=t - 1))[sel]  # [P_i]
+        logits = head.project(hidden[sel])  # [P_i, Dv]
+        count = sel.sum().float()
+        step_loss = _cross_entropy(logits, probs[rows]).sum() / count.clamp(min=1)
         loss = loss + config.step_decay ** i * step_loss
-        hit = head.to_target_ids(logits.argmax(-1)) == target_top[:, 1 + i:]
+        hit = head.to_target_ids(logits.argmax(-1)) == target_top[rows]
         metrics[f"loss/step{i}"] = step_loss.detach() * count
-        metrics[f"correct/step{i}"] = (hit.float() * keep).sum()
+        metrics[f"correct/step{i}"] = hit.sum().float()
         metrics[f"count/step{i}"] = count
-        metrics[f"oov/step{i}"] = ((~in_vocab[:, 1 + i:]).float() * keep).sum()
+        metrics[f"oov/step{i}"] = (~in_vocab[rows]).sum().float()
     return loss, metrics
 
 
