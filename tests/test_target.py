@@ -93,3 +93,22 @@ def test_tree_mask_shape_is_checked():
 def test_target_is_frozen():
     target = tiny_target("qwen2", True)
     assert not any(p.requires_grad for p in target.parameters())
+
+
+@pytest.mark.parametrize("rows", [1, 5])
+def test_logit_projection_matches_lm_head_and_follows_weight_changes(rows):
+    target = tiny_target("llama", tied=True)
+    proj = target.logit_projection
+    assert proj.applies(target.lm_head) == torch.backends.mkldnn.is_available()
+    h = torch.randn(1, rows, target.hidden_size)
+    torch.testing.assert_close(proj(h), target.lm_head(h), rtol=1e-5, atol=1e-5)
+    with torch.no_grad():  # a stale packed copy would keep the old weight
+        target.lm_head.weight.mul_(-1)
+    torch.testing.assert_close(proj(h), target.lm_head(h), rtol=1e-5, atol=1e-5)
+
+
+def test_logit_projection_falls_back_to_the_module_outside_cpu_fp32():
+    target = tiny_target("llama", tied=False, dtype=torch.bfloat16)
+    assert not target.logit_projection.applies(target.lm_head)
+    h = torch.randn(1, 3, target.hidden_size, dtype=torch.bfloat16)
+    assert torch.equal(target.logit_projection(h), target.lm_head(h))
