@@ -1,6 +1,7 @@
 """Benchmark: regeneration throughput vs plain batched `generate`, and free feature capture.
 
     python -m eyas.data.bench_regenerate [--target smollm2-135m] [--prompts 32] [--max-new-tokens 128]
+    python -m eyas.data.bench_regenerate --prompts 64 --batch-size 32 --max-new-tokens 384 --no-capture
 
 Same prompts (first user turn of ShareGPT conversations, rendered with the target's template),
 same greedy settings and batch size for every variant:
@@ -29,6 +30,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--max-prompt-tokens", type=int, default=512, help="skip longer prompts")
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    p.add_argument("--no-capture", action="store_true", help="skip the state-capture variants (shorter run)")
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -74,6 +76,8 @@ def main(argv: list[str] | None = None) -> None:
     ours = regenerate(target, enumerate(chats), cfg, args.batch_size, progress=False)
     print(f"regenerate:          {ours.useful_tokens} useful tokens, {ours.tokens_per_s:8.1f} useful tokens/s "
           f"({ours.tokens_per_s / plain:.2f}x generate)")
+    if args.no_capture:
+        return
     jobs = []
     cap = regenerate(target, enumerate(chats), cfg, args.batch_size, layer_ids=layers, on_done=jobs.append,
                      progress=False)

@@ -4,8 +4,10 @@ Continuous batching. Each of `batch_size` slots holds one generation; the moment
 max_new_tokens) its slot is refilled with the next prompt, so no row decodes padding after its
 answer is done. All slots share one KV cache [B, heads, L, d] whose rows are right-aligned: row
 b's tokens occupy its last lens[b] columns, a 2D padding mask hides the columns to their left,
-and explicit position ids give every row its own positions. A new prompt is prefilled on its own
-and spliced into its row; columns no row needs any more are sliced off the left.
+and explicit position ids give every row its own positions. The cache is preallocated with
+headroom (a step writes one column in place, no per-step copy of the whole cache); columns no row
+needs any more are dropped from the left by moving a start index. Prompts that start in the same
+step are prefilled together (right-aligned, similar lengths grouped) and spliced into their rows.
 
 Hidden states come for free: every forward also returns the EAGLE features of the chosen layers
 and the final normed hidden state, so the states of the finished example (prompt prefill +
@@ -27,6 +29,7 @@ from typing import Callable, Iterable, Sequence
 
 import torch
 from tqdm.auto import tqdm
+from transformers.cache_utils import Cache, DynamicLayer
 
 from eyas.models.target import Target
 
@@ -68,83 +71,137 @@ class RegenStats:
         return self.useful_tokens / self.seconds if self.seconds else 0.0
 
 
+class _SlotLayer(DynamicLayer):
+    """One layer's keys/values in a preallocated buffer [B, heads, cap, d]; the live columns are [start, end).
+
+    A step writes its column in place instead of concatenating a new copy of the whole cache;
+    dropping dead columns on the left only moves `start`. The buffer is reallocated (live columns
+    copied once) only when a step or a longer prompt does not fit.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.start = self.end = 0
+        self.kbuf = self.vbuf = None
+
+    def _refresh(self) -> None:
+        self.keys, self.values = self.kbuf[:, :, self.start: self.end], self.vbuf[:, :, self.start: self.end]
+
+    def allocate(self, rows: int, like: torch.Tensor) -> None:
+        """Empty buffers shaped like one row of `like` [1, heads, T, d]."""
+        self.kbuf = like.new_zeros(rows, like.shape[1], 0, like.shape[3])
+        self.vbuf = self.kbuf.clone()
+        self.is_initialized, self.device = True, like.device
+        self._refresh()
+
+    def reserve(self, left: int, right: int) -> None:
+        """Room for `left` more columns before `start` and `right` after `end`."""
+        if self.start >= left and self.end + right <= self.kbuf.shape[2]:
+            return
+        width = self.end - self.start
+        cap = max(2 * (width + left + right), 64)
+        # Zeros, not empty(): masked columns get weight 0, and 0 * NaN garbage would still be NaN.
+        k, v = self.kbuf.new_zeros(*self.kbuf.shape[:2], cap, self.kbuf.shape[3]), None
+        v = k.clone()
+        k[:, :, left: left + width] = self.keys
+        v[:, :, left: left + width] = self.values
+        self.kbuf, self.vbuf, self.start, self.end = k, v, left, left + width
+        self._refresh()
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        t = key_states.shape[2]
+        self.reserve(0, t)
+        self.kbuf[:, :, self.end: self.end + t] = key_states
+        self.vbuf[:, :, self.end: self.end + t] = value_states
+        self.end += t
+        self._refresh()
+        return self.keys, self.values
+
+    def get_seq_length(self) -> int:
+        return self.end - self.start
+
+
 class SlotBatch:
     """The shared right-aligned KV cache of the live slots and the per-row lengths."""
 
-    def __init__(self, target: Target) -> None:
+    def __init__(self, target: Target, rows: int) -> None:
+        if any(type(l) is not DynamicLayer for l in target.new_cache().layers):
+            raise ValueError(f"regeneration needs full-attention KV caches; {target.name_or_path} has other cache "
+                             "layers (sliding window or linear attention)")
         self.target = target
-        self.cache = target.new_cache()
-        self.lens: list[int] = []  # tokens of each row held in the cache
+        self.layers = [_SlotLayer() for _ in range(target.num_layers)]
+        self.cache = Cache(layers=self.layers)
+        self.lens = torch.zeros(rows, dtype=torch.long, device=target.device)  # tokens of each row in the cache
 
     @property
     def width(self) -> int:
-        return self.cache.get_seq_length()
-
-    def _layers(self):
-        return [l for l in self.cache.layers if getattr(l, "keys", None) is not None and l.keys.numel()]
-
-    def add_row(self) -> int:
-        for l in self._layers():
-            l.keys = torch.cat([l.keys, l.keys.new_zeros(1, *l.keys.shape[1:])])
-            l.values = torch.cat([l.values, l.values.new_zeros(1, *l.values.shape[1:])])
-        self.lens.append(0)
-        return len(self.lens) - 1
+        return self.layers[0].get_seq_length()
 
     def drop_rows(self, keep: list[int]) -> None:
-        for l in self._layers():
-            l.keys, l.values = l.keys[keep], l.values[keep]
-        self.lens = [self.lens[i] for i in keep]
+        for l in self.layers:
+            if l.kbuf is not None:
+                l.kbuf, l.vbuf = l.kbuf[keep], l.vbuf[keep]
+                l._refresh()
+        self.lens = self.lens[keep]
 
-    def prefill(self, row: int, ids: list[int], layer_ids: Sequence[int]):
-        """Run `ids` alone and splice its cache into `row`; returns the TargetOutput of the prompt."""
+    def prefill(self, rows: list[int], prompts: list[list[int]], layer_ids: Sequence[int]):
+        """Run `prompts` together, right-aligned, and splice each into its row.
+
+        Returns the TargetOutput [G, P, ...] of the group (P = longest prompt; prompt g is in the
+        last len(prompts[g]) columns; logits only for the last column).
+        """
+        dev, g, p = self.target.device, len(prompts), max(map(len, prompts))
+        ids = torch.zeros(g, p, dtype=torch.long)
+        real = torch.zeros(g, p, dtype=torch.bool)
+        for i, x in enumerate(prompts):
+            ids[i, p - len(x):] = torch.tensor(x)
+            real[i, p - len(x):] = True
+        pos = (real.cumsum(1) - 1).clamp(min=0)
+        causal = torch.ones(p, p, dtype=torch.bool).tril()
+        # A padding column attends to itself only, so no query row is fully masked (NaN-free).
+        mask = (causal & real[:, None, :]) | torch.eye(p, dtype=torch.bool)
         own = self.target.new_cache()
-        out = self.target(torch.tensor([ids], device=self.target.device), cache=own, layer_ids=layer_ids,
-                          logits_to_keep=torch.tensor([[len(ids) - 1]], device=self.target.device))
-        p, w = len(ids), self.width
-        if not self._layers():  # first prompt: the batch cache takes its shape from this one
-            for l, o in zip(self.cache.layers, own.layers):
-                l.lazy_initialization(o.keys, o.values)
-                b = len(self.lens)
-                l.keys = o.keys.new_zeros(b, *o.keys.shape[1:])
-                l.values = o.values.new_zeros(b, *o.values.shape[1:])
-            w = p
-        elif p > w:  # widen every row on the left
-            for l in self._layers():
-                pad = l.keys.new_zeros(l.keys.shape[0], l.keys.shape[1], p - w, l.keys.shape[3])
-                l.keys, l.values = torch.cat([pad, l.keys], 2), torch.cat([pad.clone(), l.values], 2)
-            w = p
-        for l, o in zip(self._layers(), own.layers):
-            l.keys[row, :, w - p:] = o.keys[0]
-            l.values[row, :, w - p:] = o.values[0]
-        self.lens[row] = p
+        out = self.target(ids.to(dev), position_ids=pos.to(dev), attention_mask=mask.to(dev), cache=own,
+                          layer_ids=layer_ids, logits_to_keep=torch.full((g, 1), p - 1, device=dev))
+        for l, o in zip(self.layers, own.layers):
+            if l.kbuf is None:
+                l.allocate(len(self.lens), o.keys)
+            l.reserve(max(0, p - (l.end - l.start)), 0)
+            if p > l.end - l.start:
+                l.start = l.end - p
+                l._refresh()
+            for i, (row, x) in enumerate(zip(rows, prompts)):
+                l.keys[row, :, -len(x):] = o.keys[i, :, p - len(x):]
+                l.values[row, :, -len(x):] = o.values[i, :, p - len(x):]
+        self.lens[rows] = torch.tensor([len(x) for x in prompts], device=dev)
         return out
 
-    def step(self, tokens: list[int], layer_ids: Sequence[int]):
-        """Feed one token per row (each at its own next position); returns TargetOutput [B, 1, ...]."""
-        w, dev = self.width, self.target.device
-        lens = torch.tensor(self.lens, device=dev)
-        cols = torch.arange(w + 1, device=dev)
-        mask = (cols[None, :] >= w - lens[:, None])  # [B, w+1]: the row's own columns and the new one
-        out = self.target(torch.tensor(tokens, device=dev)[:, None], position_ids=lens[:, None],
-                          attention_mask=mask, cache=self.cache, layer_ids=layer_ids)
-        self.lens = [n + 1 for n in self.lens]
-        drop = self.width - max(self.lens)
+    def step(self, tokens: torch.Tensor, layer_ids: Sequence[int]):
+        """Feed tokens [B] (each at its row's next position); returns TargetOutput [B, 1, ...]."""
+        w = self.width
+        cols = torch.arange(w + 1, device=self.lens.device)
+        mask = cols[None, :] >= w - self.lens[:, None]  # [B, w+1]: the row's own columns and the new one
+        out = self.target(tokens[:, None], position_ids=self.lens[:, None], attention_mask=mask, cache=self.cache,
+                          layer_ids=layer_ids)
+        self.lens += 1
+        drop = self.width - int(self.lens.max())
         if drop > 0:  # columns to the left of every row are dead weight
-            for l in self._layers():
-                l.keys, l.values = l.keys[:, :, drop:], l.values[:, :, drop:]
+            for l in self.layers:
+                l.start += drop
+                l._refresh()
         return out
 
 
-def _pick(logits: torch.Tensor, cfg: GenerationConfig, generator: torch.Generator | None) -> int:
-    """logits [V] → next token (greedy, or temperature + top-p sampling)."""
+def _pick(logits: torch.Tensor, cfg: GenerationConfig, generators: list[torch.Generator | None]) -> list[int]:
+    """logits [B, V] → next token per row (greedy, or temperature + top-p sampling with the row's generator)."""
     if cfg.temperature <= 0:
-        return int(logits.argmax())
+        return logits.argmax(-1).tolist()
     probs = torch.softmax(logits.float() / cfg.temperature, -1)
     if cfg.top_p < 1.0:
-        sorted_p, order = probs.sort(descending=True)
-        keep = sorted_p.cumsum(-1) - sorted_p < cfg.top_p
-        probs = torch.zeros_like(probs).scatter(0, order[keep], sorted_p[keep])
-    return int(torch.multinomial(probs, 1, generator=generator))
+        sorted_p, order = probs.sort(-1, descending=True)
+        sorted_p = sorted_p.masked_fill(sorted_p.cumsum(-1) - sorted_p >= cfg.top_p, 0)
+        probs = torch.zeros_like(probs).scatter(-1, order, sorted_p)
+    return [int(torch.multinomial(p, 1, generator=gen)) for p, gen in zip(probs, generators)]
 
 
 def _next_prompt(job: Job, tokenizer, cfg: GenerationConfig) -> list[int] | None:
@@ -172,6 +229,7 @@ def regenerate(
     on_done: Callable[[Job], None] = lambda job: None,
     eos_ids: Sequence[int] | None = None,
     progress: bool = True,
+    prefill_tokens: int = 4096,
 ) -> RegenStats:
     """Regenerate the assistant turns of (id, messages) conversations; `on_done(job)` gets each.
 
@@ -179,16 +237,19 @@ def regenerate(
     holds the final turn's (hidden [T, H], features [T, F]) chunks for job.prompt + job.generated.
     A conversation ends early (keeping the turns done) when a prompt would not fit max_length
     or an answer hits max_new_tokens without eos, since a cut answer cannot be continued.
+    prefill_tokens: prompts that start in the same step are prefilled together, in groups of at
+    most this many (padded) tokens.
     """
     tok = target.tokenizer
     eos = set(eos_ids if eos_ids is not None else [tok.eos_token_id])
     capture = layer_ids is not None
     lids = tuple(layer_ids or ())
     queue = deque(Job(i, list(m)) for i, m in conversations)
-    batch = SlotBatch(target)
-    slots: list[Job | None] = []  # job per row
-    pending: list[int] = []  # per row: the last token, generated but not yet fed
-    flushing: list[bool] = []  # per row: the answer ended; its last token is fed once for its states
+    rows = min(batch_size, len(queue))
+    batch = SlotBatch(target, rows)
+    slots: list[Job | None] = [None] * rows  # job per row
+    pending = [0] * rows  # per row: the last token, generated but not yet fed
+    flushing = [False] * rows  # per row: the answer ended; its last token is fed once for its states
     stats = RegenStats()
     bar = tqdm(total=len(queue), unit="conv", desc="regenerating", disable=not progress)
     start = time.perf_counter()
@@ -197,25 +258,14 @@ def regenerate(
         return (job.generated[-1] in eos or len(job.generated) >= cfg.max_new_tokens
                 or len(job.prompt) + len(job.generated) >= cfg.max_length)
 
-    def choose(row: int, job: Job, logits: torch.Tensor) -> None:
-        pending[row] = _pick(logits, cfg, job.generator)
-        job.generated.append(pending[row])
-        # With capture, the answer's last token is fed once more (next step) for its states.
-        flushing[row] = ended(job)
-
-    def start_turn(row: int, job: Job) -> bool:
-        """Prefill the job's next prompt into `row`; False if the conversation is finished."""
-        ids = _next_prompt(job, tok, cfg)
-        if ids is None:
-            return False
-        if job.generator is None and cfg.temperature > 0:
-            job.generator = torch.Generator().manual_seed(cfg.seed * 1_000_003 + job.id)
-        job.prompt, job.generated, job.states = ids, [], []
-        out = batch.prefill(row, ids, lids)
-        if capture:
-            job.states.append((out.hidden[0], None if out.features is None else out.features[0]))
-        choose(row, job, out.logits[0, -1])
-        return True
+    def choose(rows: list[int], logits: torch.Tensor) -> None:
+        """logits [len(rows), V]: the next token of each row's answer."""
+        for row, t in zip(rows, _pick(logits, cfg, [slots[r].generator for r in rows])):
+            job = slots[row]
+            pending[row] = t
+            job.generated.append(t)
+            # With capture, the answer's last token is fed once more (next step) for its states.
+            flushing[row] = ended(job)
 
     def finish_turn(job: Job) -> None:
         job.out.append({"role": "assistant", "content": tok.decode(job.generated, skip_special_tokens=True)})
@@ -226,17 +276,21 @@ def regenerate(
         if job.generated[-1] not in eos:
             job.turn = len(job.messages)  # a cut answer cannot be continued: the conversation ends here
 
-    def fill(row: int) -> None:
-        """Give `row` work: the next turn of its conversation, else the next conversation."""
+    def next_prompt(row: int) -> list[int] | None:
+        """Move `row` on to its conversation's next turn, else the next conversation; that turn's prompt."""
         job = slots[row]
         while True:
             if job is not None and flushing[row]:
                 finish_turn(job)
                 flushing[row] = False
-            if job is not None and start_turn(row, job):
-                slots[row] = job
-                return
             if job is not None:
+                ids = _next_prompt(job, tok, cfg)
+                if ids is not None:
+                    if job.generator is None and cfg.temperature > 0:
+                        job.generator = torch.Generator().manual_seed(cfg.seed * 1_000_003 + job.id)
+                    job.prompt, job.generated, job.states = ids, [], []
+                    slots[row] = job
+                    return ids
                 while job.out and job.out[-1]["role"] != "assistant":
                     job.out.pop()  # user turns whose answer was not generated
                 stats.conversations += 1
@@ -244,34 +298,46 @@ def regenerate(
                 on_done(job)
             if not queue:
                 slots[row] = None
-                return
+                return None
             job = queue.popleft()
 
-    for _ in range(min(batch_size, len(queue))):
-        row = batch.add_row()
-        slots.append(None)
-        pending.append(0)
-        flushing.append(False)
-        fill(row)
+    def refill(rows: list[int]) -> None:
+        """Give each of `rows` its next turn; the new prompts are prefilled in groups of similar length."""
+        todo = sorted(((r, ids) for r in rows if (ids := next_prompt(r)) is not None), key=lambda x: len(x[1]))
+        i = 0
+        while i < len(todo):
+            j = i + 1
+            while j < len(todo) and (j + 1 - i) * len(todo[j][1]) <= prefill_tokens:
+                j += 1
+            group = [r for r, _ in todo[i:j]]
+            out = batch.prefill(group, [ids for _, ids in todo[i:j]], lids)
+            if capture:
+                for g, (row, ids) in enumerate(todo[i:j]):
+                    n = len(ids)
+                    slots[row].states.append((out.hidden[g, -n:], None if out.features is None else out.features[g, -n:]))
+            choose(group, out.logits[:, -1])
+            i = j
+
+    refill(list(range(rows)))
     while True:
         if not capture:  # nothing to capture: a finished row is refilled without one more step
-            for row in range(len(slots)):
-                while slots[row] is not None and flushing[row]:
-                    fill(row)
-        live = [i for i, s in enumerate(slots) if s is not None]
+            while ends := [r for r, s in enumerate(slots) if s is not None and flushing[r]]:
+                refill(ends)
+        live = [r for r, s in enumerate(slots) if s is not None]
         if not live:
             break
         if len(live) < len(slots):  # the queue ran dry: stop computing finished rows
             batch.drop_rows(live)
-            slots, pending, flushing = [slots[i] for i in live], [pending[i] for i in live], [flushing[i] for i in live]
-        out = batch.step(pending, lids)
-        for row, job in enumerate(slots):
-            if capture:
+            slots, pending, flushing = [slots[r] for r in live], [pending[r] for r in live], [flushing[r] for r in live]
+        out = batch.step(torch.tensor(pending, device=target.device), lids)
+        if capture:
+            for row, job in enumerate(slots):
                 job.states.append((out.hidden[row], None if out.features is None else out.features[row]))
-            if flushing[row]:
-                fill(row)
-            else:
-                choose(row, job, out.logits[row, -1])
+        ends = [r for r in range(len(slots)) if flushing[r]]
+        going = [r for r in range(len(slots)) if not flushing[r]]
+        if going:
+            choose(going, out.logits[going, -1] if ends else out.logits[:, -1])
+        refill(ends)
     stats.seconds = time.perf_counter() - start
     bar.close()
     return stats

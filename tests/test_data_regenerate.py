@@ -7,7 +7,7 @@ import pytest
 import torch
 from tiny import tiny_target
 
-from eyas.data.regenerate import GenerationConfig, regenerate, regenerate_jsonl
+from eyas.data.regenerate import GenerationConfig, SlotBatch, regenerate, regenerate_jsonl
 
 EOS = list(range(20, 60))  # many "end" ids so answers stop at different lengths and slots refill
 
@@ -25,11 +25,11 @@ def conversations(n=7):
     return convs
 
 
-def run(target, batch_size, layer_ids=None, **cfg):
+def run(target, batch_size, layer_ids=None, prefill_tokens=4096, **cfg):
     done = {}
     stats = regenerate(target, enumerate(conversations()), GenerationConfig(max_new_tokens=12, **cfg),
                        batch_size=batch_size, layer_ids=layer_ids, eos_ids=EOS, progress=False,
-                       on_done=lambda job: done.__setitem__(job.id, job))
+                       prefill_tokens=prefill_tokens, on_done=lambda job: done.__setitem__(job.id, job))
     return done, stats
 
 
@@ -47,6 +47,21 @@ def test_batched_greedy_equals_one_at_a_time():
         assert [m["role"] for m in job.out] == roles[: len(job.out)] and job.out[-1]["role"] == "assistant"
         assert len(job.out) == len(roles) or len(job.generated) == 12
     assert stats.conversations == 7 and stats.useful_tokens >= sum(len(j.generated) for j in batched.values())
+
+
+def test_grouped_prefill_equals_one_prompt_at_a_time(monkeypatch):
+    target = tiny_target()
+    groups = []
+    real = SlotBatch.prefill
+    monkeypatch.setattr(SlotBatch, "prefill", lambda self, rows, prompts, lids: groups.append(len(rows))
+                        or real(self, rows, prompts, lids))
+    alone, _ = run(target, 4, prefill_tokens=1)
+    assert set(groups) == {1}
+    groups.clear()
+    grouped, _ = run(target, 4)
+    assert max(groups) == 4  # the four first prompts (of different lengths) went in together
+    for i, job in alone.items():
+        assert grouped[i].out == job.out and grouped[i].generated == job.generated
 
 
 def test_captured_states_equal_a_bare_forward():
