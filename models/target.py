@@ -79,8 +79,10 @@ class Logits:
     @staticmethod
     def applies(lm_head: nn.Module) -> bool:
         w = getattr(lm_head, "weight", None)
+        # Sharded weights (DeepSpeed ZeRO-3, FSDP2) are only whole inside the module's own call.
         return (type(lm_head) is nn.Linear and w is not None and w.device.type == "cpu"
-                and w.dtype == torch.float32 and torch.backends.mkldnn.is_available())
+                and w.dtype == torch.float32 and torch.backends.mkldnn.is_available()
+                and type(w.data) is torch.Tensor and not hasattr(w, "ds_id"))
 
     def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
         if not self.applies(self.lm_head):

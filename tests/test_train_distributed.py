@@ -1,12 +1,14 @@
-"""Two processes under `accelerate launch` (DDP on gloo, DeepSpeed ZeRO-2): the run asserts the process
+"""Two processes under `accelerate launch` (DDP on gloo, DeepSpeed ZeRO-2/3): the run asserts the process
 count and distributed type it got, both ranks end identical and equal to a one-process run with the
-same global batch; a one-process checkpoint resumes with two processes; a wrong launch is refused.
+same global batch; the frozen target is sharded (ZeRO-3; FSDP2 via target_placement=shard) and training
+still matches; a one-process checkpoint resumes with two processes; a wrong launch is refused.
 
 Each test spawns `accelerate launch` (~10-60 s on 2 busy cores); DeepSpeed's first run on a machine
 also compiles its shared-memory comm op once (~70 s, then cached under ~/.cache/torch_extensions)."""
 
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -23,6 +25,7 @@ from eyas.train.trainer import run
 LAUNCHES = {
     "ddp": ("configs/accelerate/ddp_cpu.yaml", {"ACCELERATE_USE_CPU": "true"}, "MULTI_CPU"),
     "deepspeed_zero2": ("configs/accelerate/deepspeed_zero2.yaml", {}, "DEEPSPEED"),
+    "deepspeed_zero3": ("configs/accelerate/deepspeed_zero3.yaml", {}, "DEEPSPEED"),
 }
 
 
@@ -46,7 +49,8 @@ def launch(kind: str, config, env_extra=None, expect_ok=True) -> subprocess.Comp
                  f"output_dir={config.output_dir}", f"head.type={config.head.type}",
                  f"batch.size={config.batch.size}", f"schedule.total_steps={config.schedule.total_steps}",
                  f"distributed.expect_processes={config.distributed.expect_processes}",
-                 f"distributed.expect_type={config.distributed.expect_type}"]
+                 f"distributed.expect_type={config.distributed.expect_type}",
+                 f"distributed.target_placement={config.distributed.target_placement}"]
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", accel_config,
            "--main_process_port", str(_free_port()), "-m", "eyas.train", "--config", str(TINY_CONFIG), *overrides]
     proc = subprocess.run(cmd, cwd=REPO, env={**os.environ, "WANDB_MODE": "offline", **env, **(env_extra or {})},
@@ -99,3 +103,24 @@ def test_launch_without_cpu_flag_is_refused(tmp_path):
     assert proc.returncode != 0
     assert "distributed type NO" in proc.stderr + proc.stdout
     assert not checkpoint.list_checkpoints(tmp_path / "run")
+
+
+@pytest.mark.parametrize("kind, placement, expected", [("deepspeed_zero3", "auto", "zero3"), ("ddp", "shard", "fsdp")])
+def test_sharded_target_holds_part_per_rank_and_matches_one_process(tmp_path, kind, placement, expected):
+    dist_type = LAUNCHES[kind][2]
+    two = tiny_run_config(tmp_path / "two", "batch.size=2", "schedule.total_steps=3", "distributed.expect_processes=2",
+                          f"distributed.expect_type={dist_type}", f"distributed.target_placement={placement}")
+    proc = launch(kind, two)
+    found = re.search(rf"target placement {expected}: weights held per process \[(\d+), (\d+)\] of (\d+)", proc.stdout)
+    assert found, proc.stdout[-3000:]
+    held = [int(found[1]), int(found[2])]
+    total = int(found[3])
+    assert all(0 < h <= 0.55 * total for h in held) and sum(held) >= total  # halves (ZeRO pads each weight)
+    one = tiny_run_config(tmp_path / "one", "batch.size=4", "schedule.total_steps=3")
+    run(one)
+    two_loss = [r["train/loss"] for r in _metrics(tmp_path / "two") if "train/loss" in r]
+    one_loss = [r["train/loss"] for r in _metrics(tmp_path / "one") if "train/loss" in r]
+    assert len(two_loss) == 3 and two_loss == pytest.approx(one_loss, abs=1e-5)
+    a, b = load_head(tmp_path / "two" / "head"), load_head(tmp_path / "one" / "head")
+    for (name, x), y in zip(a.state_dict().items(), b.state_dict().values()):
+        assert torch.allclose(x, y, atol=1e-5), name

@@ -128,6 +128,10 @@ class DistributedConfig:
     expect_processes: int | None = None
     # e.g. NO, MULTI_CPU, MULTI_GPU, DEEPSPEED, FSDP (accelerate's DistributedType names).
     expect_type: str | None = None
+    # The frozen target's weights: auto = sharded across processes under DeepSpeed ZeRO-3 and FSDP, a whole
+    # copy per process otherwise; replicate = always whole (no gathers, fastest when it fits); shard = also
+    # under DDP (torch FSDP2 on the target only).
+    target_placement: Literal["auto", "replicate", "shard"] = "auto"
 
 
 @dataclass(frozen=True)

@@ -138,8 +138,7 @@ def eagle3_ttt_loss(head: DraftHead, input_ids: torch.Tensor, valid: torch.Tenso
     cache = head.new_cache()
     index = torch.arange(n, device=input_ids.device).expand(b, -1)  # step 0: every index, causal (mask None)
     rank, mask, key_index = index, None, []
-    loss = target_logits.new_zeros((), dtype=torch.float32)
-    metrics: Metrics = {}
+    picked, rows = [], []  # per step: hidden [P_i, H] of the rows with loss there, their teacher rows [P_i]
     for i in range(steps):
         if i > 0:  # keep the rows that still lead to a loss; feed back their previous-step hidden
             index, next_rank = _rows(needed[i])
@@ -149,19 +148,27 @@ def eagle3_ttt_loss(head: DraftHead, input_ids: torch.Tensor, valid: torch.Tenso
             mask = ttt_mask(index, key_index, n)
         at = index.clamp(min=0)
         ids = input_ids.gather(1, (at + 1 + i).clamp(max=t - 1))  # teacher forcing: token t+1+i
-        out = head(ids, hidden, at + i, mask, cache, logits=False)
-        hidden = out.hidden  # [B, M, H]
+        hidden = head(ids, hidden, at + i, mask, cache, logits=False).hidden  # [B, M, H]
         sel = _take(carries[i], at) & (index >= 0)  # [B, M] rows with loss at this step
-        rows = _take(teacher_row, (at + 1 + i).clamp(max=t - 1))[sel]  # [P_i]
-        logits = head.project(hidden[sel])  # [P_i, Dv]
-        count = sel.sum().float()
-        step_loss = _cross_entropy(logits, probs[rows]).sum() / count.clamp(min=1)
+        picked.append(hidden[sel])
+        rows.append(_take(teacher_row, (at + 1 + i).clamp(max=t - 1))[sel])
+    # One projection for all steps: one large matmul and one weight-gradient product instead of K.
+    logits = head.project(torch.cat(picked))  # [sum P_i, Dv]
+    teacher = torch.cat(rows)
+    sizes = [len(r) for r in rows]
+    ce = _cross_entropy(logits, probs[teacher]).split(sizes)
+    hit = (head.to_target_ids(logits.argmax(-1)) == target_top[teacher]).split(sizes)
+    oov = (~in_vocab[teacher]).split(sizes)
+    loss = target_logits.new_zeros((), dtype=torch.float32)
+    metrics: Metrics = {}
+    for i in range(steps):
+        count = loss.new_tensor(float(sizes[i]))
+        step_loss = ce[i].sum() / count.clamp(min=1)
         loss = loss + config.step_decay ** i * step_loss
-        hit = head.to_target_ids(logits.argmax(-1)) == target_top[rows]
         metrics[f"loss/step{i}"] = step_loss.detach() * count
-        metrics[f"correct/step{i}"] = hit.sum().float()
+        metrics[f"correct/step{i}"] = hit[i].sum().float()
         metrics[f"count/step{i}"] = count
-        metrics[f"oov/step{i}"] = (~in_vocab[rows]).sum().float()
+        metrics[f"oov/step{i}"] = oov[i].sum().float()
     return loss, metrics
 
 

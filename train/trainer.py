@@ -1,8 +1,8 @@
 """The training recipe: setup → train → save → cleanup, one process or many under `accelerate launch`.
 
 - The frozen target is loaded in every process, outside `accelerator.prepare`: it is never in the
-  optimizer, holds no gradients and runs under no_grad. It is replicated, not sharded, under
-  ZeRO-3/FSDP (only the head is wrapped), which is fine for targets that fit one device.
+  optimizer, holds no gradients and runs under no_grad. Under ZeRO-3/FSDP it is sharded across the
+  processes (see target_sharding.py; `distributed.target_placement`), otherwise each process holds it whole.
 - The head and its loss are one module (`DistillationLoss`), the only thing prepared with the optimizer.
 - Data order is global and world-size independent (see data.py); the trainer does its own sharding,
   so no dataloader is prepared and `accelerate` never re-scales the scheduler.
@@ -30,6 +30,7 @@ from . import checkpoint
 from .config import RunConfig, dump_config
 from .data import ExampleStream, collate, load_examples, micro_batch_start, vocab_cache_path
 from .losses import DistillationLoss, acceptance
+from .target_sharding import choose_placement, held_parameters, shard_target
 
 
 class NonFiniteLoss(RuntimeError):
@@ -105,8 +106,15 @@ class Trainer:
         self.log(check_launch(acc, c))
         set_seed(c.seed)
 
-        with _unsharded_loading(acc.state.deepspeed_plugin):
+        plugin = acc.state.deepspeed_plugin
+        with _unsharded_loading(plugin):
             self.target = Target.load(c.target.spec, dtype=c.target.dtype, device=acc.device)
+        placement = choose_placement(c.distributed.target_placement, acc.distributed_type.name,
+                                     plugin.zero_stage if plugin else None, acc.num_processes)
+        shard_target(self.target, placement, plugin.deepspeed_config if plugin else None, c.batch.size)
+        held, total = held_parameters(self.target)
+        per_rank = acc.gather(torch.tensor([held], device=acc.device)).tolist()
+        self.log(f"target placement {placement}: weights held per process {per_rank} of {total}")
         with acc.main_process_first():
             self.train_set, self.held_out, summary = load_examples(c.data, self.target, c.seed)
         self.log(f"data: {summary}; {len(self.train_set)} train / {len(self.held_out)} held-out examples")
@@ -381,8 +389,9 @@ class Trainer:
 @contextlib.contextmanager
 def _unsharded_loading(plugin):
     """Under ZeRO-3 accelerate registers its DeepSpeed config with transformers, whose from_pretrained then
-    shards the model at construction (zero.Init). The target is frozen and runs outside the engine, so it
-    is loaded whole in every process; the registration is restored afterwards."""
+    shards the model at construction (zero.Init). The target is frozen and runs outside the head's engine,
+    so it is loaded whole (then sharded by its own engine, see target_sharding); the registration is
+    restored afterwards."""
     if plugin is None or plugin.zero_stage != 3:
         yield
         return
