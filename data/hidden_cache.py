@@ -10,6 +10,8 @@ features [len(layer_ids) * H], in bf16/fp16. Layout of a cache folder:
 
 Shards hold consecutive examples and are written atomically, then listed in index.json, so a
 killed run resumes at the first missing shard. Reading is memory-mapped (safetensors safe_open).
+A cache written during regeneration (regenerate.py) also stores each shard's dataset ids ("ids"
+[n] int64) and its JSONL lines (header metadata), which make the cache the source of truth.
 """
 
 from __future__ import annotations
@@ -56,6 +58,86 @@ def _run_batch(target: Target, rows: list[list[int]], layer_ids: Sequence[int]):
             for i, r in enumerate(rows)]
 
 
+class CacheWriter:
+    """Appends shards to a cache folder: each shard is written atomically, then listed in index.json.
+
+    `provenance` (what the examples come from) joins the target, layers and dtype in index.json; a
+    folder already holding a cache whose any of these differ is refused. Shards may carry the
+    dataset ids of their examples ("ids" [n] int64) and string metadata (safetensors header).
+    """
+
+    def __init__(self, folder: str | Path, target: Target, layer_ids: Sequence[int], dtype: str | torch.dtype,
+                 provenance: dict) -> None:
+        self.folder = Path(folder)
+        self.dtype = resolve_dtype(dtype)
+        if self.dtype not in _STORAGE:
+            raise ValueError(f"storage dtype must be one of {sorted(_STORAGE.values())}, got {dtype!r}")
+        self.layer_ids = tuple(layer_ids)
+        meta = {"version": 1, "target": asdict(target.identity()), "layer_ids": list(layer_ids),
+                "dtype": _STORAGE[self.dtype], "hidden_size": target.hidden_size, **provenance}
+        self.index = {**meta, "num_examples": 0, "shards": [], "complete": False}
+        if (self.folder / INDEX).is_file():
+            old = json.loads((self.folder / INDEX).read_text())
+            differs = [k for k in meta if old.get(k) != meta[k]]
+            if differs:
+                raise ValueError(f"{self.folder} holds a hidden-state cache for a different {', '.join(differs)}; "
+                                 "choose another folder or delete it")
+            self.index = old
+        self.folder.mkdir(parents=True, exist_ok=True)
+
+    @property
+    def written(self) -> int:
+        """Examples already stored."""
+        return sum(s["count"] for s in self.index["shards"])
+
+    def bytes_per_token(self) -> int:
+        return bytes_per_token(self.index["hidden_size"], len(self.layer_ids), self.dtype)
+
+    def write(self, input_ids: list[list[int]], loss_mask: list[list[int]], hidden: list[torch.Tensor],
+              features: list[torch.Tensor | None], ids: list[int] | None = None,
+              metadata: dict[str, str] | None = None) -> None:
+        """One shard of n examples: per example ids/mask [T] and hidden [T, H], features [T, F] (EAGLE-3)."""
+        tensors = {
+            "input_ids": torch.tensor([t for r in input_ids for t in r], dtype=torch.int32),
+            "loss_mask": torch.tensor([m for r in loss_mask for m in r], dtype=torch.int8),
+            "offsets": torch.tensor([0] + [len(r) for r in input_ids], dtype=torch.int64).cumsum(0),
+            "hidden": torch.cat([h.to(self.dtype) for h in hidden]).cpu().contiguous(),
+        }
+        if self.layer_ids:
+            tensors["features"] = torch.cat([f.to(self.dtype) for f in features]).cpu().contiguous()
+        if ids is not None:
+            tensors["ids"] = torch.tensor(ids, dtype=torch.int64)
+        name = _shard_name(len(self.index["shards"]))
+        with atomic_file(self.folder / name, "wb") as f:
+            f.write(save(tensors, metadata))
+        self.index["shards"].append({"file": name, "first": self.written, "count": len(input_ids)})
+        self.index["num_examples"] = self.written
+        self.index["complete"] = False
+        self._write_index()
+
+    def finish(self) -> None:
+        """Mark the cache complete (readable by HiddenStateDataset)."""
+        self.index["complete"] = True
+        self._write_index()
+
+    def _write_index(self) -> None:
+        with atomic_file(self.folder / INDEX) as f:
+            json.dump(self.index, f, indent=1)
+
+
+def stored_shards(folder: str | Path) -> list[tuple[list[int], dict[str, str]]]:
+    """(dataset ids, header metadata) of every shard listed in the cache's index, in order."""
+    folder = Path(folder)
+    out = []
+    if not (folder / INDEX).is_file():
+        return out
+    for s in json.loads((folder / INDEX).read_text())["shards"]:
+        with safe_open(str(folder / s["file"]), framework="pt") as f:
+            ids = f.get_tensor("ids").tolist() if "ids" in f.keys() else []
+            out.append((ids, f.metadata() or {}))
+    return out
+
+
 def cache_hidden(target: Target, dataset: datasets.Dataset, folder: str | Path, layer_ids: Sequence[int] = (),
                  dtype: str | torch.dtype = "bf16", batch_size: int = 8, shard_examples: int = 512) -> Path:
     """Compute and store the target states for `dataset` (rows: input_ids, loss_mask); resumable.
@@ -63,38 +145,22 @@ def cache_hidden(target: Target, dataset: datasets.Dataset, folder: str | Path, 
     layer_ids: the EAGLE-3 fused layer ids (empty for EAGLE-1, which needs only the hidden state).
     A folder holding a cache of something else (other target, layers, dtype or data) is refused.
     """
-    folder = Path(folder)
-    store = resolve_dtype(dtype)
-    meta = {
-        "version": 1, "target": asdict(target.identity()), "layer_ids": list(layer_ids), "dtype": _STORAGE[store],
-        "hidden_size": target.hidden_size, "data": f"{dataset._fingerprint}:{len(dataset)}",
-        "num_examples": len(dataset), "shard_examples": shard_examples,
-    }
-    index = {**meta, "shards": [], "complete": False}
-    if (folder / INDEX).is_file():
-        old = json.loads((folder / INDEX).read_text())
-        differs = [k for k in meta if old.get(k) != meta[k]]
-        if differs:
-            raise ValueError(f"{folder} holds a hidden-state cache for a different {', '.join(differs)}; "
-                             "choose another folder or delete it")
-        index = old
-    num_shards = -(-len(dataset) // shard_examples)
-    done = len(index["shards"])
+    writer = CacheWriter(folder, target, layer_ids, dtype, {
+        "data": f"{dataset._fingerprint}:{len(dataset)}", "shard_examples": shard_examples})
+    done = writer.written
     lengths = [len(x) for x in dataset["input_ids"]]
-    todo_tokens = sum(lengths[done * shard_examples:])
-    need = todo_tokens * bytes_per_token(target.hidden_size, len(layer_ids), store)
-    folder.mkdir(parents=True, exist_ok=True)
-    free = shutil.disk_usage(folder).free
-    print(f"hidden-state cache {folder}: {todo_tokens:,} tokens to store "
-          f"({len(dataset) - min(len(dataset), done * shard_examples)} of {len(dataset)} examples), "
-          f"~{need / 1e9:.2f} GB ({bytes_per_token(target.hidden_size, len(layer_ids), store):,} bytes/token); "
-          f"{free / 1e9:.1f} GB free")
+    todo_tokens = sum(lengths[done:])
+    need = todo_tokens * writer.bytes_per_token()
+    free = shutil.disk_usage(writer.folder).free
+    print(f"hidden-state cache {writer.folder}: {todo_tokens:,} tokens to store "
+          f"({len(dataset) - done} of {len(dataset)} examples), "
+          f"~{need / 1e9:.2f} GB ({writer.bytes_per_token():,} bytes/token); {free / 1e9:.1f} GB free")
     if need > free:
-        raise ValueError(f"the hidden-state cache needs ~{need / 1e9:.1f} GB but {folder} has {free / 1e9:.1f} GB free")
+        raise ValueError(f"the hidden-state cache needs ~{need / 1e9:.1f} GB but {writer.folder} has "
+                         f"{free / 1e9:.1f} GB free")
     bar = tqdm(total=todo_tokens, unit="tok", desc="caching hidden states")
-    for s in range(done, num_shards):
-        lo, hi = s * shard_examples, min(len(dataset), (s + 1) * shard_examples)
-        rows = dataset.select(range(lo, hi))
+    for lo in range(done, len(dataset), shard_examples):
+        rows = dataset.select(range(lo, min(len(dataset), lo + shard_examples)))
         ids, masks = rows["input_ids"], rows["loss_mask"]
         hidden: list = [None] * len(ids)
         features: list = [None] * len(ids)
@@ -102,24 +168,12 @@ def cache_hidden(target: Target, dataset: datasets.Dataset, folder: str | Path, 
         for b in range(0, len(order), batch_size):
             chunk = order[b: b + batch_size]
             for i, (h, f) in zip(chunk, _run_batch(target, [ids[i] for i in chunk], layer_ids)):
-                hidden[i], features[i] = h.to(store), None if f is None else f.to(store)
+                hidden[i], features[i] = h.to(writer.dtype), None if f is None else f.to(writer.dtype)
             bar.update(sum(len(ids[i]) for i in chunk))
-        tensors = {
-            "input_ids": torch.tensor([t for r in ids for t in r], dtype=torch.int32),
-            "loss_mask": torch.tensor([m for r in masks for m in r], dtype=torch.int8),
-            "offsets": torch.tensor([0] + lengths[lo:hi], dtype=torch.int64).cumsum(0),
-            "hidden": torch.cat(hidden).cpu().contiguous(),
-        }
-        if layer_ids:
-            tensors["features"] = torch.cat(features).cpu().contiguous()
-        with atomic_file(folder / _shard_name(s), "wb") as f:
-            f.write(save(tensors))
-        index["shards"].append({"file": _shard_name(s), "first": lo, "count": hi - lo})
-        index["complete"] = s == num_shards - 1
-        with atomic_file(folder / INDEX) as f:
-            json.dump(index, f, indent=1)
+        writer.write(ids, masks, hidden, features)
+    writer.finish()
     bar.close()
-    return folder
+    return writer.folder
 
 
 class HiddenStateDataset(torch.utils.data.Dataset):
@@ -131,9 +185,9 @@ class HiddenStateDataset(torch.utils.data.Dataset):
             raise FileNotFoundError(f"{self.folder} is not a hidden-state cache (no {INDEX})")
         self.index = json.loads((self.folder / INDEX).read_text())
         if not self.index["complete"]:
-            done = sum(s["count"] for s in self.index["shards"])
-            raise ValueError(f"hidden-state cache {self.folder} is incomplete ({done} of "
-                             f"{self.index['num_examples']} examples); rerun `eyas data cache-hidden` to finish it")
+            raise ValueError(f"hidden-state cache {self.folder} is incomplete ({self.index['num_examples']} examples "
+                             "so far); rerun the command that wrote it (`eyas data cache-hidden` or `eyas data "
+                             "regenerate --cache-hidden`) to finish it")
         if target is not None and self.index["target"]["tokenizer_fingerprint"] != target.identity().tokenizer_fingerprint:
             raise ValueError(f"hidden-state cache {self.folder} was computed by another target "
                              f"({self.index['target']['name_or_path']})")

@@ -14,7 +14,8 @@ and the final normed hidden state, so the states of the finished example (prompt
 every generated token, the last one fed once more when its row ends) need no second target pass.
 
 Resumable: finished conversations are appended to a JSONL file ({"id", "messages"}), flushed
-and fsynced; a rerun skips ids already written and drops a half-written last line.
+and fsynced; a rerun skips ids already written and drops a half-written last line. With
+cache_hidden, the states also go straight into an offline hidden-state cache (hidden_cache.py).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import json
 import os
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable, Iterable, Sequence
 
@@ -31,6 +32,9 @@ import torch
 from tqdm.auto import tqdm
 from transformers.cache_utils import Cache, DynamicLayer
 
+from eyas.data.chat_template import TemplateError, render_with_mask
+from eyas.data.hidden_cache import CacheWriter, stored_shards
+from eyas.models.config import default_fused_layer_ids
 from eyas.models.target import Target
 
 
@@ -64,6 +68,7 @@ class RegenStats:
     conversations: int = 0
     useful_tokens: int = 0  # generated tokens kept in the output
     state_tokens: int = 0  # tokens whose target states were captured
+    mask_fallbacks: int = 0  # cached examples whose loss mask covers only the final answer (see training_example)
     seconds: float = 0.0
 
     @property
@@ -364,26 +369,108 @@ def written_ids(path: Path) -> set[int]:
     return ids
 
 
+def training_example(job: Job, tokenizer, eos_ids: Sequence[int] | None) -> tuple[list[int], list[int], bool]:
+    """(input_ids, loss_mask, rendered) of a finished job: exactly the tokens its states were captured for.
+
+    The mask comes from rendering the regenerated conversation with the chat template (every
+    assistant turn, as `eyas data prepare` masks it) when that rendering starts with exactly these
+    ids; otherwise (rendered False: decoding and re-tokenizing changed a token) only the final
+    generated answer is masked.
+    """
+    ids = job.prompt + job.generated
+    try:
+        r = render_with_mask(tokenizer, job.out, eos_ids=eos_ids)
+        if r.input_ids[: len(ids)] == ids:
+            return ids, r.loss_mask[: len(ids)], True
+    except TemplateError:
+        pass
+    return ids, [0] * len(job.prompt) + [1] * len(job.generated), False
+
+
 def regenerate_jsonl(target: Target, conversations, out: str | Path, cfg: GenerationConfig, batch_size: int = 8,
                      layer_ids: Sequence[int] | None = None, on_done: Callable[[Job], None] = lambda job: None,
-                     eos_ids: Sequence[int] | None = None, progress: bool = True) -> RegenStats:
+                     eos_ids: Sequence[int] | None = None, progress: bool = True, cache_hidden: str | Path | None = None,
+                     cache_dtype: str = "bf16", shard_examples: int = 128) -> RegenStats:
     """Regenerate a canonical conversations dataset (see sources.py) into `out` (JSONL), resumably.
 
     Row ids are the dataset's row indices, so rerunning on the same source continues where a
     killed run stopped. Rows flagged as bad by the source are not regenerated.
+
+    cache_hidden: also store the captured target states as an offline hidden-state cache in this
+    folder (the format HiddenStateDataset and `data.hidden_states: offline` read), so no second
+    target pass is needed. layer_ids then are the cached EAGLE-3 layers (None: the head's default
+    fused layers; () for EAGLE-1). The cache is the source of truth: every `shard_examples`
+    finished conversations are written as one shard (atomically, with their JSONL lines in its
+    header), listed in index.json, and only then appended to the JSONL. A resumed run first
+    appends the lines of stored shards the JSONL lacks; conversations finished after the last
+    shard are regenerated.
     """
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     done = written_ids(out)
+    writer = None
+    if cache_hidden is not None:
+        if layer_ids is None:
+            layer_ids = default_fused_layer_ids(target.num_layers)
+        writer = CacheWriter(cache_hidden, target, layer_ids, cache_dtype, {"data": "regenerate",
+                                                                            "generation": asdict(cfg)})
+        cached: set[int] = set()
+        with open(out, "a", encoding="utf-8") as f:
+            for ids, meta in stored_shards(writer.folder):
+                cached.update(ids)
+                lines = [line for line in json.loads(meta["lines"]) if json.loads(line)["id"] not in done]
+                f.writelines(line + "\n" for line in lines)  # killed after a shard, before its JSONL lines
+                done.update(json.loads(line)["id"] for line in lines)
+            f.flush()
+            os.fsync(f.fileno())
+        if done - cached:
+            raise ValueError(f"{out} holds {len(done - cached)} conversations that are not in the hidden-state cache "
+                             f"{writer.folder} (written without --cache-hidden?): use another output file, or "
+                             "regenerate without --cache-hidden and run `eyas data cache-hidden` afterwards")
     todo = [(i, r["messages"]) for i, r in enumerate(conversations) if not r["problem"] and i not in done]
     if done:
         print(f"{out}: {len(done)} conversations already written, {len(todo)} to go")
+    buffer: list[tuple[str, Job, tuple[list[int], list[int], bool]]] = []
+    fallbacks = 0
+
     with open(out, "a", encoding="utf-8") as f:
+        def append(lines: list[str]) -> None:
+            f.writelines(line + "\n" for line in lines)
+            f.flush()
+            os.fsync(f.fileno())  # a kill after this loses nothing already reported done
+
+        def flush_shard() -> None:
+            buffer.sort(key=lambda x: x[1].id)
+            lines = [line for line, _, _ in buffer]
+            writer.write([e[0] for _, _, e in buffer], [e[1] for _, _, e in buffer],
+                         [torch.cat([h.reshape(-1, h.shape[-1]) for h, _ in j.states]) for _, j, _ in buffer],
+                         [None if not layer_ids else torch.cat([x.reshape(-1, x.shape[-1]) for _, x in j.states])
+                          for _, j, _ in buffer],
+                         ids=[j.id for _, j, _ in buffer], metadata={"lines": json.dumps(lines, ensure_ascii=False)})
+            append(lines)
+            buffer.clear()
+
         def write(job: Job) -> None:
+            nonlocal fallbacks
             if job.out:
-                f.write(json.dumps({"id": job.id, "messages": job.out}, ensure_ascii=False) + "\n")
-                f.flush()
-                os.fsync(f.fileno())  # a kill after this line loses nothing already reported done
+                line = json.dumps({"id": job.id, "messages": job.out}, ensure_ascii=False)
+                if writer is None:
+                    append([line])
+                else:
+                    example = training_example(job, target.tokenizer, eos_ids)
+                    fallbacks += not example[2]
+                    # Keep only the stored dtype: a shard's worth of fp32 states would be 2x the memory.
+                    job.states = [(h.to(writer.dtype), None if x is None else x.to(writer.dtype))
+                                  for h, x in job.states]
+                    buffer.append((line, job, example))
+                    if len(buffer) >= shard_examples:
+                        flush_shard()
             on_done(job)
 
-        return regenerate(target, todo, cfg, batch_size, layer_ids, write, eos_ids, progress)
+        stats = regenerate(target, todo, cfg, batch_size, layer_ids, write, eos_ids, progress)
+        if writer is not None:
+            if buffer:
+                flush_shard()
+            writer.finish()
+    stats.mask_fallbacks = fallbacks
+    return stats

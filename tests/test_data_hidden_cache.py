@@ -43,11 +43,11 @@ def test_bf16_storage_and_resume(tmp_path, monkeypatch):
     calls = []
     real_save = __import__("eyas.data.hidden_cache", fromlist=["save"]).save
 
-    def dying_save(tensors):
+    def dying_save(tensors, metadata=None):
         calls.append(1)
         if len(calls) == 3:
             raise KeyboardInterrupt  # killed while writing the third shard
-        return real_save(tensors)
+        return real_save(tensors, metadata)
 
     monkeypatch.setattr("eyas.data.hidden_cache.save", dying_save)
     with pytest.raises(KeyboardInterrupt):
@@ -55,7 +55,7 @@ def test_bf16_storage_and_resume(tmp_path, monkeypatch):
     with pytest.raises(ValueError, match="incomplete"):
         HiddenStateDataset(tmp_path / "resumed")
     resumed_saves = []
-    monkeypatch.setattr("eyas.data.hidden_cache.save", lambda t: resumed_saves.append(1) or real_save(t))
+    monkeypatch.setattr("eyas.data.hidden_cache.save", lambda t, m=None: resumed_saves.append(1) or real_save(t, m))
     cache_hidden(target, ds, tmp_path / "resumed", LAYERS, batch_size=2, shard_examples=2)
     assert len(resumed_saves) == 2  # 4 shards: 2 were done before the kill, only the rest are computed
     full, resumed = HiddenStateDataset(tmp_path / "full"), HiddenStateDataset(tmp_path / "resumed")

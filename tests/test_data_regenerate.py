@@ -1,12 +1,17 @@
-"""Continuous-batching regeneration: equal to one-at-a-time greedy, states equal a bare forward, resumable."""
+"""Continuous-batching regeneration: equal to one-at-a-time greedy, states equal a bare forward, resumable;
+the hidden-state cache it writes equals `cache_hidden` over its output, also across a kill."""
 
 from __future__ import annotations
+
+import json
 
 import datasets
 import pytest
 import torch
 from tiny import tiny_target
 
+from eyas.data.chat_template import render_with_mask
+from eyas.data.hidden_cache import HiddenStateDataset, cache_hidden, stored_shards
 from eyas.data.regenerate import GenerationConfig, SlotBatch, regenerate, regenerate_jsonl
 
 EOS = list(range(20, 60))  # many "end" ids so answers stop at different lengths and slots refill
@@ -102,3 +107,79 @@ def test_killed_and_resumed_equals_uninterrupted(tmp_path):
     full = sorted((tmp_path / "full.jsonl").read_text().splitlines())
     resumed = sorted((tmp_path / "resumed.jsonl").read_text().splitlines())
     assert resumed == full and len(full) == 6  # the bad row (id 5) is never regenerated
+
+
+def cache_rows(folder, target):
+    """{dataset id: cached item} of a hidden-state cache written during regeneration."""
+    ids = [i for shard_ids, _ in stored_shards(folder) for i in shard_ids]
+    cached = HiddenStateDataset(folder, target)
+    assert len(ids) == len(set(ids)) == len(cached)  # nothing stored twice
+    return {i: cached[k] for k, i in enumerate(ids)}
+
+
+def test_cache_written_while_regenerating_equals_cache_hidden_over_the_output(tmp_path):
+    target = tiny_target()
+    layers = (1, 2, 4)
+    ds = datasets.Dataset.from_dict({"messages": conversations(), "problem": [""] * 7})
+    stats = regenerate_jsonl(target, ds, tmp_path / "out.jsonl", GenerationConfig(max_new_tokens=12), batch_size=3,
+                             layer_ids=layers, eos_ids=EOS, progress=False, cache_hidden=tmp_path / "c",
+                             cache_dtype="fp32", shard_examples=3)
+    assert stats.mask_fallbacks == 0  # the rendering-based mask was used for every example
+    lines = sorted((json.loads(x) for x in (tmp_path / "out.jsonl").read_text().splitlines()), key=lambda r: r["id"])
+    rendered = [render_with_mask(target.tokenizer, r["messages"], eos_ids=EOS) for r in lines]
+    ref = datasets.Dataset.from_dict({"input_ids": [r.input_ids for r in rendered],
+                                      "loss_mask": [r.loss_mask for r in rendered]})
+    cache_hidden(target, ref, tmp_path / "ref", layers, dtype="fp32")
+    ref_cache = HiddenStateDataset(tmp_path / "ref")
+    ours = cache_rows(tmp_path / "c", target)
+    assert sorted(ours) == [r["id"] for r in lines]
+    assert any(len(r["messages"]) > 2 for r in lines)  # multi-turn: earlier regenerated answers are masked too
+    for k, r in enumerate(lines):
+        item, want = ours[r["id"]], ref_cache[k]
+        n = len(item["input_ids"])
+        # The rendering may add template glue after the final end-of-turn token (never generated).
+        assert n <= len(want["input_ids"]) <= n + 2
+        assert torch.equal(item["input_ids"], want["input_ids"][:n]) and torch.equal(item["loss_mask"], want["loss_mask"][:n])
+        assert item["loss_mask"].sum() > 0
+        torch.testing.assert_close(item["hidden"], want["hidden"][:n], rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(item["features"], want["features"][:n], rtol=1e-4, atol=1e-4)
+
+
+def test_killed_and_resumed_with_cache_equals_uninterrupted(tmp_path):
+    target = tiny_target()
+    ds = datasets.Dataset.from_dict({"messages": conversations(), "problem": [""] * 5 + ["empty", ""]})
+    cfg = GenerationConfig(max_new_tokens=10, temperature=0.8, seed=3)
+    kw = dict(batch_size=3, eos_ids=EOS, progress=False, shard_examples=2)
+    regenerate_jsonl(target, ds, tmp_path / "full.jsonl", cfg, cache_hidden=tmp_path / "full", **kw)
+
+    seen = []
+
+    def kill_after_five(job):
+        seen.append(job.id)
+        if len(seen) == 5:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        regenerate_jsonl(target, ds, tmp_path / "resumed.jsonl", cfg, cache_hidden=tmp_path / "resumed",
+                         on_done=kill_after_five, **kw)
+    in_shards = [i for ids, _ in stored_shards(tmp_path / "resumed") for i in ids]
+    assert len(in_shards) == 4  # two shards of two; the fifth conversation was only buffered
+    lines = (tmp_path / "resumed.jsonl").read_text().splitlines()
+    assert len(lines) == 4
+    # As if killed after writing the second shard but before its JSONL lines, mid-line:
+    (tmp_path / "resumed.jsonl").write_text("\n".join(lines[:2]) + '\n{"id": 9')
+    repeated = []
+    regenerate_jsonl(target, ds, tmp_path / "resumed.jsonl", cfg, cache_hidden=tmp_path / "resumed",
+                     on_done=lambda job: repeated.append(job.id), **kw)
+    assert sorted(repeated) == sorted(set(range(7)) - {5} - set(in_shards))  # only what no shard held
+    full = sorted((tmp_path / "full.jsonl").read_text().splitlines())
+    assert sorted((tmp_path / "resumed.jsonl").read_text().splitlines()) == full and len(full) == 6
+    want, got = cache_rows(tmp_path / "full", target), cache_rows(tmp_path / "resumed", target)
+    assert sorted(got) == sorted(want) == [0, 1, 2, 3, 4, 6]
+    for i in want:
+        assert torch.equal(got[i]["input_ids"], want[i]["input_ids"]) and torch.equal(got[i]["loss_mask"], want[i]["loss_mask"])
+        assert got[i]["hidden"].dtype == torch.bfloat16
+        for k in ("hidden", "features"):  # bf16 storage of fp32 states from different batch compositions
+            torch.testing.assert_close(got[i][k].float(), want[i][k].float(), rtol=2e-2, atol=2e-2)
+    with pytest.raises(ValueError, match="not in the hidden-state cache"):
+        regenerate_jsonl(target, ds, tmp_path / "full.jsonl", cfg, cache_hidden=tmp_path / "other", **kw)
