@@ -1,7 +1,8 @@
 """Two processes under `accelerate launch` (DDP on gloo, DeepSpeed ZeRO-2/3): the run asserts the process
 count and distributed type it got, both ranks end identical and equal to a one-process run with the
 same global batch; the frozen target is sharded (ZeRO-3; FSDP2 via target_placement=shard) and training
-still matches; a one-process checkpoint resumes with two processes; a wrong launch is refused.
+still matches; a one-process checkpoint resumes with two processes (DDP; DeepSpeed through its universal
+checkpoint, converted on resume); a wrong launch is refused.
 
 Each test spawns `accelerate launch` (~10-60 s on 2 busy cores); DeepSpeed's first run on a machine
 also compiles its shared-memory comm op once (~70 s, then cached under ~/.cache/torch_extensions)."""
@@ -42,8 +43,8 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch(kind: str, config, env_extra=None, expect_ok=True) -> subprocess.CompletedProcess:
-    """Run the tiny config under `accelerate launch` with 2 processes; overrides from `config`."""
+def launch(kind: str, config, env_extra=None, expect_ok=True, processes=2) -> subprocess.CompletedProcess:
+    """Run the tiny config under `accelerate launch` (2 processes by default); overrides from `config`."""
     accel_config, env, _ = LAUNCHES[kind]
     overrides = [f"target.spec={config.target.spec}", f"data.source={config.data.source}",
                  f"output_dir={config.output_dir}", f"head.type={config.head.type}",
@@ -52,7 +53,7 @@ def launch(kind: str, config, env_extra=None, expect_ok=True) -> subprocess.Comp
                  f"distributed.expect_type={config.distributed.expect_type}",
                  f"distributed.target_placement={config.distributed.target_placement}"]
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", accel_config,
-           "--main_process_port", str(_free_port()), "-m", "eyas.train", "--config", str(TINY_CONFIG), *overrides]
+           "--main_process_port", str(_free_port()), "--num_processes", str(processes), "-m", "eyas.train", "--config", str(TINY_CONFIG), *overrides]
     proc = subprocess.run(cmd, cwd=REPO, env={**os.environ, "WANDB_MODE": "offline", **env, **(env_extra or {})},
                           capture_output=True, text=True, timeout=600)
     if expect_ok:
@@ -124,3 +125,20 @@ def test_sharded_target_holds_part_per_rank_and_matches_one_process(tmp_path, ki
     a, b = load_head(tmp_path / "two" / "head"), load_head(tmp_path / "one" / "head")
     for (name, x), y in zip(a.state_dict().items(), b.state_dict().values()):
         assert torch.allclose(x, y, atol=1e-5), name
+
+
+def test_deepspeed_checkpoint_resumes_at_another_world_size(tmp_path):
+    """ZeRO shards saved by 1 process are converted to DeepSpeed's universal layout on resume by 2; the
+    resumed steps match an uninterrupted run with the same global batch (optimizer state carried over)."""
+    out = tmp_path / "run"
+    launch("deepspeed_zero2", tiny_run_config(out, "schedule.total_steps=3", "distributed.expect_processes=1",
+                                              "distributed.expect_type=DEEPSPEED"), processes=1)
+    proc = launch("deepspeed_zero2", tiny_run_config(out, "batch.size=2", "schedule.total_steps=6",
+                                                     "distributed.expect_processes=2", "distributed.expect_type=DEEPSPEED"))
+    assert "at step 3 (saved by 1 process(es), now 2)" in proc.stdout
+    assert (out / "checkpoints" / "step-00000003" / checkpoint.UNIVERSAL).is_dir()
+    run(tiny_run_config(tmp_path / "whole", "schedule.total_steps=6"))
+    resumed = {r["step"]: r["train/loss"] for r in _metrics(out) if "train/loss" in r}
+    whole = {r["step"]: r["train/loss"] for r in _metrics(tmp_path / "whole") if "train/loss" in r}
+    assert sorted(resumed) == [1, 2, 3, 4, 5, 6]
+    assert [resumed[s] for s in (4, 5, 6)] == pytest.approx([whole[s] for s in (4, 5, 6)], abs=1e-5)

@@ -6,6 +6,8 @@
         state/          accelerator.save_state: wrapped model, optimizer, scheduler, RNG of every rank
                         (DeepSpeed: its own sharded layout)
         trainer.json    step, consumed stream positions, world size, tokens seen
+        state-universal/  (DeepSpeed only, written on the first resume at another world size) the ZeRO
+                        state converted to DeepSpeed's world-size independent universal layout
 
 All ranks write `state/` into the same temporary folder; the main process adds head/ and
 trainer.json and renames the folder, so a crash leaves the previous checkpoints and at most
@@ -17,6 +19,8 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -74,5 +78,38 @@ def load_checkpoint(accelerator, folder: Path) -> dict[str, Any]:
     """Restore model/optimizer/scheduler/RNG into the prepared objects; return trainer.json."""
     if not (folder / TRAINER).is_file():
         raise FileNotFoundError(f"{folder} is not a complete checkpoint ({TRAINER} missing)")
-    accelerator.load_state(str(folder / STATE))
-    return json.loads((folder / TRAINER).read_text())
+    state = json.loads((folder / TRAINER).read_text())
+    if accelerator.state.deepspeed_plugin is not None and state["world_size"] != accelerator.num_processes:
+        _load_universal(accelerator, folder)
+    else:
+        accelerator.load_state(str(folder / STATE))
+    return state
+
+
+UNIVERSAL, DS_TAG = "state-universal", "pytorch_model"  # DS_TAG: the folder accelerate's save_state gives DeepSpeed
+
+
+def _load_universal(accelerator, folder: Path) -> None:
+    """DeepSpeed refuses ZeRO shards saved by another number of processes. Convert them once (main process)
+    with DeepSpeed's own converter to its universal, world-size independent layout in <checkpoint>/state-universal
+    (the rest of state/ copied alongside; state/ itself is left as saved), and load that."""
+    universal = folder / UNIVERSAL
+    if accelerator.is_main_process and not universal.is_dir():
+        tmp = folder / f".{UNIVERSAL}.tmp"
+        shutil.rmtree(tmp, ignore_errors=True)
+        shutil.copytree(folder / STATE, tmp, ignore=shutil.ignore_patterns(DS_TAG))  # scheduler, RNG states
+        cmd = [sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder",
+               str(folder / STATE / DS_TAG), "--output_folder", str(tmp / DS_TAG), "--inject_missing_state",
+               "--num_extract_workers", "1", "--num_merge_workers", "1"]
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise RuntimeError(f"could not convert {folder} to a DeepSpeed universal checkpoint for a different "
+                               f"number of processes:\n{proc.stdout[-2000:]}{proc.stderr[-2000:]}")
+        os.replace(tmp, universal)
+    accelerator.wait_for_everyone()
+    config = accelerator.deepspeed_engine_wrapped.engine._config  # DeepSpeed reads the flag at load time
+    config.load_universal_checkpoint = True
+    try:
+        accelerator.load_state(str(universal))
+    finally:
+        config.load_universal_checkpoint = False
