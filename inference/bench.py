@@ -23,6 +23,7 @@ from tqdm.auto import tqdm
 from eyas.models import DraftHead, Target
 from eyas.models.atomic import atomic_file
 
+from .acceptance import Sampling, target_tokens
 from .bench_report import format_table, summarize, write_plot
 
 WARMUP_TOKENS = 8
@@ -116,6 +117,7 @@ def run_bench(
     threads: int | None = None,
     limit: int | None = None,
     prompt_lookup: int | None = None,
+    eyas_plain: bool = False,
     seed: int = 0,
     out: str | os.PathLike | None = None,
     progress: bool = True,
@@ -124,7 +126,9 @@ def run_bench(
     """Benchmark `head` on `target` over `questions`; returns the report (see bench_report.summarize).
 
     prompt_lookup: if set, also run transformers prompt-lookup decoding with that many
-    candidate tokens. out: if set, write the report there atomically and a PNG beside it.
+    candidate tokens. eyas_plain: also time plain one-token decoding through eyas's own Target (same kernels
+    as the verify, no drafting), to separate the speculation's gain from the Target's faster logits.
+    out: if set, write the report there atomically and a PNG beside it.
     tree_options go to SpeculativeGenerator.from_pretrained (kind, depth, top_k, total_tokens, paths).
     A Target passed in is used where it is (device) and must already be in `dtype`.
     """
@@ -137,7 +141,7 @@ def run_bench(
         torch.set_num_threads(threads)
     try:
         report = _run(target, head, questions, max_new_tokens, temperature, top_p, top_k, dtype, device,
-                      prompt_lookup, seed, progress, tree_options)
+                      prompt_lookup, eyas_plain, seed, progress, tree_options)
     finally:
         torch.set_num_threads(threads_before)
     if out is not None:
@@ -146,7 +150,7 @@ def run_bench(
 
 
 def _run(target, head, questions: list[Question], max_new_tokens: int, temperature: float, top_p: float, top_k: int,
-         dtype: str, device: str, prompt_lookup: int | None, seed: int, progress: bool,
+         dtype: str, device: str, prompt_lookup: int | None, eyas_plain: bool, seed: int, progress: bool,
          tree_options: dict[str, Any]) -> dict:
     target, gen = load_generator(target, head, dtype, device, tree_options)
     eos = eos_ids(target)
@@ -177,12 +181,21 @@ def _run(target, head, questions: list[Question], max_new_tokens: int, temperatu
         sync()
         return res, time.perf_counter() - t0
 
+    def one_token(ids: list[int], n: int, seed_: int) -> tuple[list[int], float]:
+        sync()
+        t0 = time.perf_counter()
+        tokens = plain_decode(target, ids, n, eos, Sampling(temperature, top_p, top_k), seed_)
+        sync()
+        return tokens, time.perf_counter() - t0
+
     # One short warm-up each: first-call costs (allocations, kernel selection) stay out of the numbers.
     warm = prompt_ids(target, questions[0])
     plain(warm, config(WARMUP_TOKENS), seed)
     spec(warm, WARMUP_TOKENS, seed)
     if pl_config is not None:
         plain(warm, config(WARMUP_TOKENS, lookup=True), seed)
+    if eyas_plain:
+        one_token(warm, WARMUP_TOKENS, seed)
 
     rows = []
     bar = tqdm(questions, desc="bench", unit="q", disable=not progress)
@@ -193,17 +206,21 @@ def _run(target, head, questions: list[Question], max_new_tokens: int, temperatu
                                               "spec": lambda: spec(ids, max_new_tokens, seed_i)}
         if pl_config is not None:
             runs["prompt_lookup"] = lambda: plain(ids, pl_config, seed_i)
+        if eyas_plain:
+            runs["eyas_plain"] = lambda: one_token(ids, max_new_tokens, seed_i)
         order = list(runs) if i % 2 == 0 else list(reversed(runs))  # alternate who runs first
         done = {name: runs[name]() for name in order}
         rows.append(_row(q, ids, done, sampling))
         bar.set_postfix_str(_running(rows))
 
     tree = asdict(gen.options)
-    if tree["total_tokens"] == "auto":  # record what the generator tuned it to on this machine
-        tree["total_tokens_tuned"] = gen.total_tokens
+    if gen.plan is not None:  # record what "auto" tuned the tree to on this machine
+        tree.update(total_tokens_tuned=gen.plan.total_tokens, depth_tuned=gen.plan.depth,
+                    expected_tau_tuned=gen.plan.expected_tokens)
     report = {"settings": settings(target, head, tree=tree, dtype=dtype, max_new_tokens=max_new_tokens,
                                    temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
-                                   prompt_lookup=prompt_lookup, eos_token_ids=eos, questions=len(rows)),
+                                   prompt_lookup=prompt_lookup, eyas_plain=eyas_plain, eos_token_ids=eos,
+                                   questions=len(rows)),
               # a static tree's depth is its longest path: leave the positions to the observed cycles
               **summarize(rows, sampling=sampling, depth=tree["depth"] if tree["kind"] != "static" else None)}
     return report
@@ -225,6 +242,22 @@ def load_generator(target: str | Target, head: str | os.PathLike | DraftHead, dt
         head = load_head(head, target, dtype=dtype)
     gen = SpeculativeGenerator.from_pretrained(target, head, dtype=dtype, **tree_options)
     return target, gen
+
+
+@torch.no_grad()
+def plain_decode(target: Target, ids: list[int], max_new_tokens: int, eos: list[int], sampling: Sampling,
+                 seed: int) -> list[int]:
+    """One token per target forward through eyas's Target: the reference without speculation."""
+    gen = torch.Generator(target.device).manual_seed(seed)
+    cache = target.new_cache()
+    x = torch.tensor([ids], device=target.device)
+    out = target(x, cache=cache, logits_to_keep=torch.full((1, 1), len(ids) - 1, device=target.device))
+    tokens: list[int] = []
+    while True:
+        tokens.append(int(target_tokens(out.logits, sampling, gen)[0, -1]))
+        if tokens[-1] in eos or len(tokens) >= max_new_tokens:
+            return tokens
+        out = target(torch.tensor([tokens[-1:]], device=target.device), cache=cache)
 
 
 def _generation_config(target: Target, max_new_tokens: int, temperature: float, top_p: float, top_k: int,
@@ -257,6 +290,10 @@ def _row(q: Question, ids: list[int], done: dict[str, Any], sampling: bool) -> d
     if "prompt_lookup" in done:
         pl_tokens, pl_time = done["prompt_lookup"]
         row.update(prompt_lookup_tokens=len(pl_tokens), prompt_lookup_time_s=pl_time)
+    if "eyas_plain" in done:
+        ep_tokens, ep_time = done["eyas_plain"]
+        row.update(eyas_plain_tokens=len(ep_tokens), eyas_plain_time_s=ep_time,
+                   eyas_plain_exact=None if sampling else ep_tokens == base_tokens)
     return row
 
 

@@ -13,6 +13,9 @@ merged later. Conventions:
 - prompt_lookup_speedup: the prompt-lookup baseline's own speedup over plain generate, on
   the same basis, so it compares directly with `speedup`.
 - engine_overhead_fraction: (total - draft - target) / total, eyas's own wall time.
+- eyas_plain_* (with --eyas-plain): plain one-token decoding through eyas's Target. Its speedup
+  over generate is what eyas's faster kernels alone give; `speedup_over_eyas_plain` is what the
+  speculation adds on top of them.
 """
 
 from __future__ import annotations
@@ -64,6 +67,13 @@ def _summary(rows: Sequence[dict[str, Any]], sampling: bool, positions: int) -> 
         pl_same = all(r["baseline_tokens"] == r["prompt_lookup_tokens"] for r in rows)
         s["prompt_lookup_tokens_per_s"] = _ratio(pl_tokens, pl_time)
         s["prompt_lookup_speedup"] = _speedup(base_tokens, base_time, pl_tokens, pl_time, pl_same)
+    if all("eyas_plain_time_s" in r for r in rows):
+        ep_tokens, ep_time = _total(rows, "eyas_plain_tokens"), _total(rows, "eyas_plain_time_s")
+        ep_same = all(r["baseline_tokens"] == r["eyas_plain_tokens"] for r in rows)
+        s["eyas_plain_tokens_per_s"] = _ratio(ep_tokens, ep_time)
+        s["eyas_plain_speedup"] = _speedup(base_tokens, base_time, ep_tokens, ep_time, ep_same)
+        s["speedup_over_eyas_plain"] = _speedup(ep_tokens, ep_time, spec_tokens, spec_time,
+                                                all(r["eyas_plain_tokens"] == r["spec_tokens"] for r in rows))
     return s
 
 
@@ -110,6 +120,11 @@ def format_table(report: dict[str, Any]) -> str:
     out.insert(len(out) - 1, "-" * len(out[0]))
     if report["overall"]["speedup_basis"] != "time":
         out.append("speedup is a tokens/s ratio: outputs differ in length (sampling), so times are not for the same tokens")
+    o = report["overall"]
+    if "eyas_plain_speedup" in o:
+        out.append(f"eyas plain one-token decoding: {o['eyas_plain_tokens_per_s']:.1f} tok/s, "
+                   f"{o['eyas_plain_speedup']:.2f}x generate (kernels alone); speculation adds "
+                   f"{o['speedup_over_eyas_plain']:.2f}x on top")
     return "\n".join(out)
 
 

@@ -38,6 +38,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--prompt-lookup", type=int, nargs="?", const=10, default=None, metavar="N",
                    help="also run transformers prompt-lookup decoding with N candidate tokens (default N=10)")
+    p.add_argument("--eyas-plain", action="store_true",
+                   help="also time plain one-token decoding through eyas's Target: separates what its faster "
+                   "logits give from what speculation gives")
     p.set_defaults(func=_bench)
     p = sub.add_parser("demo", help="the main job: train the demo head, export it, benchmark it on MT-bench",
                        description="Train the demo EAGLE-3 head for SmolLM2-135M-Instruct on ShareGPT "
@@ -182,7 +185,8 @@ def _bench(args: argparse.Namespace) -> int:
     report = run_bench(args.target, args.head, args.questions, max_new_tokens=args.max_new_tokens,
                        temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
                        dtype=args.dtype, device=args.device, limit=args.limit, threads=args.threads,
-                       prompt_lookup=args.prompt_lookup, out=args.out, **tree_options(args))
+                       prompt_lookup=args.prompt_lookup, eyas_plain=args.eyas_plain, out=args.out,
+                       **tree_options(args))
     print(format_table(report))
     print(f"report: {args.out}\nplot:   {Path(args.out).with_suffix('.png')}")
     return 0

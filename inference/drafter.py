@@ -29,12 +29,14 @@ class TreeOptions:
     # static: a fixed set of child-rank paths; chain: depth tokens, one after another.
     kind: Literal["dynamic", "static", "chain"] = "dynamic"
     # Draft tokens on the longest path (dynamic, chain). A cycle gains at most depth + 1 tokens.
-    depth: int = 5
+    # With total_tokens="auto" the most the tuner may choose.
+    depth: int = 6
     # dynamic: children per expanded node and nodes expanded per level.
     top_k: int = 4
-    # dynamic: draft nodes verified per cycle. 16 suits CPUs; "auto" measures the target's cost of
-    # a forward over k tokens on this machine and picks the size that maximises expected tokens/s.
-    total_tokens: int | Literal["auto"] = 16
+    # dynamic: draft nodes verified per cycle, or "auto": on the first generate, time target forwards
+    # over 1..32 tokens and one draft, then pick the depth and size with the most expected tokens/s
+    # (tuning.plan_tree). On a CPU that is a few nodes; on a GPU tens.
+    total_tokens: int | Literal["auto"] = "auto"
     # static: the tree as child-rank paths from the root (default: a 16-node tree, tree.DEFAULT_PATHS).
     paths: tuple[tuple[int, ...], ...] | None = None
 
@@ -51,10 +53,11 @@ class TreeOptions:
             object.__setattr__(self, "paths", tuple(tuple(p) for p in self.paths))
             check_paths(self.paths)
 
-    def expansion(self, total_tokens: int | None = None) -> "Expansion":
+    def expansion(self, total_tokens: int | None = None, depth: int | None = None) -> "Expansion":
+        """The expansion these options describe; total_tokens / depth override them (tuned values)."""
         if self.kind == "dynamic":
             n = total_tokens if total_tokens is not None else self.total_tokens
-            return DynamicExpansion(self.depth, self.top_k, 16 if n == "auto" else n)
+            return DynamicExpansion(depth or self.depth, self.top_k, 16 if n == "auto" else n)
         return StaticExpansion(self.paths or DEFAULT_PATHS if self.kind == "static" else chain_paths(self.depth))
 
 
@@ -65,6 +68,10 @@ class DraftContext:
     positions: torch.Tensor  # [B, A] position ids of those features
     valid: torch.Tensor  # [B, L] which cache slots hold real tokens, the A new ones last
 
+    def rows(self, index: torch.Tensor) -> "DraftContext":
+        """Only batch rows `index` [B']."""
+        return DraftContext(self.tokens[index], self.features[index], self.positions[index], self.valid[index])
+
 
 class Drafter(Protocol):
     def draft(self, ctx: DraftContext) -> DraftTree:
@@ -72,6 +79,10 @@ class Drafter(Protocol):
         ...
 
     def reset(self) -> None: ...
+
+    def keep_rows(self, index: torch.Tensor) -> None:
+        """Only batch rows `index` [B'] go on (the others are done); drop any per-row state of the rest."""
+        ...
 
 
 class Expansion(Protocol):
@@ -160,6 +171,11 @@ class HeadDrafter:
 
     def reset(self) -> None:
         self.cache = self.head.new_cache()
+
+    def keep_rows(self, index: torch.Tensor) -> None:
+        for i, k in enumerate(self.cache.keys):
+            if k is not None:
+                self.cache.keys[i], self.cache.values[i] = k[index], self.cache.values[i][index]
 
     @torch.no_grad()
     def draft(self, ctx: DraftContext) -> DraftTree:

@@ -4,7 +4,8 @@ Batches hold prompts of different lengths: left padding plus a `valid` mask over
 Rows accept different numbers of tokens per cycle; each keeps prefix + its own accepted path in
 the target cache and, to keep one rectangular cache, pads shorter paths in front with slots it
 marks invalid and never attends to again (so the newest token is always the last slot). The head cache mirrors the target cache slot for slot, so one
-`valid` mask serves both. Only the CLI prints; generation returns tokens and stats.
+`valid` mask serves both. A row that is done (eos, stop string, length) leaves the batch before
+the next cycle. Only the CLI prints; generation returns tokens and stats.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import torch
 from eyas.models import DraftHead, Target
 
 from .acceptance import Sampling, Verifier, accept, target_tokens, verify
-from .drafter import DraftContext, Drafter, HeadDrafter, TreeOptions
+from .drafter import DraftContext, Drafter, DynamicExpansion, HeadDrafter, TreeOptions
 from .tree import tree_attention
 
 Prompt = Union[Sequence[int], torch.Tensor, str, Sequence[dict]]
@@ -80,6 +81,7 @@ class SpeculativeGenerator:
         self.target, self.head = target, head
         self.options = options or TreeOptions()
         self.total_tokens = self.options.total_tokens  # "auto" until tuned on the first generate
+        self.plan = None  # tuning.TreePlan once "auto" is tuned
         self.drafter = drafter or HeadDrafter(head, self.options.expansion())
         self.verifier = verifier
         self.layer_ids = tuple(head.config.fused_layer_ids)
@@ -188,13 +190,20 @@ class SpeculativeGenerator:
                            positions=pos, valid=valid)
         next_pos = pos[:, -1] + 1
         self.drafter.reset()
-        if self.total_tokens == "auto" and isinstance(self.drafter, HeadDrafter):
+        if self.total_tokens == "auto" and self.options.kind == "dynamic" and isinstance(self.drafter, HeadDrafter):
             self._tune(cache, ctx, next_pos)
         for r, tok in zip(rows, root.tolist()):
             r.add([tok])
         yield
 
-        while not all(r.done for r in rows):
+        live = list(range(b))  # batch row -> index into rows
+        while keep := [i for i, j in enumerate(live) if not rows[j].done]:
+            if len(keep) < len(live):  # finished rows leave the batch: no compute is spent on them any more
+                idx = torch.tensor(keep, device=dev)
+                cache.batch_select_indices(idx)
+                self.drafter.keep_rows(idx)
+                ctx, next_pos = ctx.rows(idx), next_pos[idx]
+                valid, live, b = ctx.valid, [live[i] for i in keep], len(keep)
             t0 = clock()
             tree = self.drafter.draft(ctx)
             t1 = clock()
@@ -216,28 +225,31 @@ class SpeculativeGenerator:
             valid = ctx.valid
             next_pos = next_pos + acc.length
             lengths = acc.length.tolist()
-            for r, st, toks, n in zip(rows, stats, after.tolist(), lengths):
-                if not r.done:
-                    r.add(toks[len(toks) - n:])
-                    st.accepted.append(n)
-                st.draft_time_s += t1 - t0
-                st.target_time_s += t2 - t1
+            for j, toks, n in zip(live, after.tolist(), lengths):
+                rows[j].add(toks[len(toks) - n:])
+                stats[j].accepted.append(n)
+                stats[j].draft_time_s += t1 - t0
+                stats[j].target_time_s += t2 - t1
             yield
         total = clock() - start
         for st in stats:
             st.total_time_s = total
 
     def _tune(self, cache, ctx: DraftContext, next_pos: torch.Tensor) -> None:
-        """Measure target cost per tree size, draft one large tree for confidences, fix total_tokens."""
-        from .tuning import measure_target_cost, pick_total_tokens
+        """Time target forwards per size and one large draft tree, then fix depth and total_tokens."""
+        from .tuning import fit_cost, measure_target_cost, plan_tree
 
-        costs = measure_target_cost(self.target, cache, ctx.valid, next_pos)
-        probe = HeadDrafter(self.head, self.options.expansion(max(costs)))
+        cost = fit_cost(measure_target_cost(self.target, cache, ctx.valid, next_pos))
+        depth = self.options.depth
+        probe = HeadDrafter(self.head, DynamicExpansion(depth, self.options.top_k, total_tokens=1 << 30))
         probe.reset()
         t0 = time.perf_counter()
-        tree = probe.draft(ctx)
-        self.total_tokens = pick_total_tokens(costs, tree.scores[:, 1:], time.perf_counter() - t0)
-        self.drafter = HeadDrafter(self.head, self.options.expansion(self.total_tokens))
+        tree = probe.draft(ctx)  # every candidate node, in creation order: same depth at the same index in every row
+        step_s = (time.perf_counter() - t0) / depth
+        self.plan = plan_tree(tree.scores[:, 1:].float().exp().mean(0).cpu().numpy(), tree.depth[0, 1:].cpu().numpy(),
+                              cost, step_s, depth)
+        self.total_tokens = self.plan.total_tokens
+        self.drafter = HeadDrafter(self.head, self.options.expansion(self.plan.total_tokens, self.plan.depth))
         self.drafter.reset()
 
 

@@ -47,12 +47,15 @@ class Oracle:
     def reset(self):
         pass
 
+    def keep_rows(self, index):
+        self.refs = [self.refs[i] for i in index.tolist()]
+
     def draft(self, ctx: DraftContext) -> DraftTree:
         rows = []
         for b, p in enumerate((ctx.positions[:, -1] + 1).tolist()):
             ref = self.refs[b]
             assert int(ctx.tokens[b, -1]) == ref[p], "the root must be the last accepted token"
-            chain = (ref[p + 1:] + [5] * self.depth)[:self.depth]  # finished rows run on past ref
+            chain = (ref[p + 1:] + [5] * self.depth)[:self.depth]  # past the reference's end: anything
             if self.rng.random() < self.corrupt:
                 j = self.rng.randrange(self.depth)
                 chain[j] = (chain[j] + 1) % 300

@@ -54,7 +54,7 @@ def _write(path, rows):
 
 def test_report_has_every_field_per_category_and_overall(tmp_path, pair):
     report = run_bench(*pair, _write(tmp_path / "q.jsonl", QUESTIONS), max_new_tokens=12, prompt_lookup=3,
-                       out=tmp_path / "report.json", progress=False, **SMALL_TREE)
+                       eyas_plain=True, out=tmp_path / "report.json", progress=False, **SMALL_TREE)
     saved = json.loads((tmp_path / "report.json").read_text())
     assert saved == json.loads(json.dumps(report))
     assert (tmp_path / "report.png").stat().st_size > 0
@@ -64,7 +64,8 @@ def test_report_has_every_field_per_category_and_overall(tmp_path, pair):
         assert all(r is None or 0.0 <= r <= 1.0 for r in s["accept_rate_per_position"])
         assert len(s["accept_rate_per_position"]) >= SMALL_TREE["depth"]
         for key in ("baseline_tokens_per_s", "spec_tokens_per_s", "speedup", "prompt_lookup_tokens_per_s",
-                    "prompt_lookup_speedup"):
+                    "prompt_lookup_speedup", "eyas_plain_tokens_per_s", "eyas_plain_speedup",
+                    "speedup_over_eyas_plain"):
             assert s[key] > 0, key
         for key in ("draft_time_fraction", "engine_overhead_fraction"):
             assert 0.0 <= s[key] <= 1.0, key
@@ -77,6 +78,7 @@ def test_report_has_every_field_per_category_and_overall(tmp_path, pair):
     rows = saved["questions"]
     assert [r["question_id"] for r in rows] == [1, 2, "HumanEval/0"]
     assert all(r["exact"] and r["spec_tokens"] == r["baseline_tokens"] > 0 for r in rows)
+    assert all(r["eyas_plain_exact"] and r["eyas_plain_tokens"] == r["baseline_tokens"] for r in rows)
 
 
 def test_chat_rows_use_the_template_and_prompt_rows_do_not(pair):

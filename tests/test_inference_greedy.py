@@ -1,11 +1,12 @@
 """Greedy speculative decoding is token-identical to the target's own greedy decoding."""
 
+import numpy as np
 import pytest
 import torch
 
 from eyas.inference import SpeculativeGenerator, TreeOptions
 from eyas.inference.drafter import HeadDrafter
-from eyas.inference.tuning import pick_total_tokens
+from eyas.inference.tuning import chain_candidates, fit_cost, plan_tree
 from inference_fixtures import NO_EOS, PROMPTS, Oracle, always_accept_first_child, greedy, make_head
 from tiny import FIXTURES, tiny_target
 
@@ -149,18 +150,31 @@ def test_auto_total_tokens_tunes_once_and_stays_exact():
     target = tiny_target("mistral")
     gen = SpeculativeGenerator(target, make_head(target), TreeOptions(total_tokens="auto", top_k=4, depth=5))
     res = gen.generate(PROMPTS[2], max_new_tokens=10, **NO_EOS)
-    assert isinstance(gen.total_tokens, int) and 1 <= gen.total_tokens <= 64
+    plan = gen.plan
+    assert 1 <= plan.depth <= 5 and 1 <= plan.total_tokens <= 4 + 4 * 4 * 4 and gen.total_tokens == plan.total_tokens
     assert res.tokens == greedy(target, PROMPTS[2], 10)
+    assert gen.generate(PROMPTS[0], max_new_tokens=4).tokens and gen.plan is plan  # tuned once
 
 
-def test_pick_total_tokens_trades_gain_against_cost():
-    confident = torch.zeros(1, 64)  # every node surely accepted
-    hopeless = torch.full((1, 64), -20.0)
-    flat = {1: 1.0, 8: 1.0, 16: 1.0, 32: 1.0, 64: 1.0}
-    steep = {1: 1.0, 8: 8.0, 16: 16.0, 32: 32.0, 64: 64.0}
-    assert pick_total_tokens(flat, confident) == 64
-    assert pick_total_tokens(steep, hopeless) == 1
-    assert pick_total_tokens(steep, confident) < 64
+def test_plan_tree_trades_gain_against_cost():
+    depth = np.repeat(np.arange(1, 5), 4)  # 4 candidates per level
+    sure, hopeless = np.ones(16), np.full(16, 1e-6)
+    flat, steep = (1.0, 0.0), (0.0, 1.0)  # verify cost a + b * tokens
+    assert (plan_tree(sure, depth, flat, 0.0, 4).total_tokens, plan_tree(sure, depth, flat, 0.0, 4).depth) == (16, 4)
+    assert plan_tree(hopeless, depth, steep, 0.0, 4).total_tokens == 1
+    assert plan_tree(sure, depth, steep, 0.0, 4).total_tokens < 16
+    # a chain with falling acceptance, on a CPU-like curve: stop where one more draft costs more than it gains
+    p, d = chain_candidates([0.8, 0.6, 0.4, 0.2])
+    plan = plan_tree(p, d, (1.0, 0.1), 0.05, 4)
+    by_depth = {k: (1 + p[:k].sum()) / (k * 0.05 + 1.0 + 0.1 * (k + 1)) for k in range(1, 5)}
+    assert plan.depth == plan.total_tokens == max(by_depth, key=by_depth.get)
+    assert plan.expected_tokens == pytest.approx(1 + p[:plan.depth].sum())
+
+
+def test_fit_cost_is_affine_and_never_rewards_noise():
+    assert fit_cost({1: 2.0, 2: 3.0, 4: 5.0}) == pytest.approx((1.0, 1.0))
+    a, b = fit_cost({1: 3.0, 8: 1.0, 16: 1.0})  # a lucky big forward must not make big trees look free
+    assert b == 0.0 and a == pytest.approx(5 / 3)
 
 
 def test_too_long_request_is_refused():
@@ -168,3 +182,24 @@ def test_too_long_request_is_refused():
     gen = SpeculativeGenerator(target, make_head(target))
     with pytest.raises(ValueError, match="max_position_embeddings"):
         gen.generate(PROMPTS[0], max_new_tokens=510)
+
+
+def test_finished_rows_leave_the_batch():
+    target = tiny_target("qwen3")
+    refs = [greedy(target, p, 20) for p in PROMPTS]
+    # an eos that ends row 1 within a few tokens and never appears in the other rows' outputs
+    eos = next(t for t in refs[1][:6] if all(t not in r for i, r in enumerate(refs) if i != 1))
+    rows_per_forward = []
+    forward = target.forward
+
+    def counting_forward(input_ids, *args, **kwargs):
+        rows_per_forward.append(input_ids.shape[0])
+        return forward(input_ids, *args, **kwargs)
+
+    target.forward = counting_forward
+    gen = SpeculativeGenerator(target, make_head(target), TreeOptions(total_tokens=4, depth=2))
+    res = gen.generate_batch(PROMPTS, max_new_tokens=20, eos_token_id=eos)
+    assert res[1].tokens == refs[1][:refs[1].index(eos) + 1]
+    assert res[0].tokens == refs[0] and res[2].tokens == refs[2]
+    assert rows_per_forward[0] == 3 and rows_per_forward[-1] == 2 and sorted(rows_per_forward, reverse=True) == rows_per_forward
+    assert len(res[1].stats.accepted) < len(res[0].stats.accepted)
