@@ -52,7 +52,16 @@ def register(sub: argparse._SubParsersAction) -> None:
     r.add_argument("--seed", type=int, default=0)
     r.add_argument("--batch-size", type=int, default=16, help="concurrent generations (default: 16)")
     r.add_argument("--limit", type=int, default=None, help="only the first N conversations")
-    r.add_argument("--dtype", default="fp32", help="target dtype: fp32, bf16, fp16")
+    r.add_argument("--dtype", default="fp32", help="target dtype: fp32 (default; on CPUs without native bf16 "
+                   "batched bf16 is slow), bf16, fp16")
+    r.add_argument("--cache-hidden", default=None, metavar="DIR",
+                   help="also store the target states captured while generating as an offline hidden-state cache "
+                   "(what `cache-hidden` writes; train with data.hidden_states=offline), so no second target "
+                   "pass is needed. The cache is the source of truth: the JSONL gets a conversation's line after "
+                   "the shard holding it is written; a rerun reconciles both")
+    _cache_options(r, "--cache-dtype")
+    r.add_argument("--shard-examples", type=int, default=128,
+                   help="conversations per cache shard, held in memory until written (default: 128)")
     r.set_defaults(func=_regenerate)
 
     v = dsub.add_parser("vocab", help="build the draft vocabulary (d2t/t2d) from loss-masked token frequencies",
@@ -73,11 +82,29 @@ def register(sub: argparse._SubParsersAction) -> None:
     c.add_argument("--examples", required=True, help="folder written by `eyas data prepare`")
     c.add_argument("--split", default="train", choices=["train", "held_out"])
     c.add_argument("--out", required=True, help="cache folder")
-    c.add_argument("--head-type", choices=["eagle3", "eagle1"], default="eagle3")
-    c.add_argument("--layers", default=None, help="eagle3 fused layer ids, e.g. 2,15,27 (default: 2, N//2, N-3)")
-    c.add_argument("--dtype", choices=["bf16", "fp16"], default="bf16", help="storage dtype")
+    _cache_options(c, "--cache-dtype", "--dtype")
     c.add_argument("--batch-size", type=int, default=8)
     c.set_defaults(func=_cache_hidden)
+
+
+def _cache_options(p: argparse.ArgumentParser, *dtype_flags: str) -> None:
+    """What a hidden-state cache stores (shared by cache-hidden and regenerate --cache-hidden)."""
+    p.add_argument("--head-type", choices=["eagle3", "eagle1"], default="eagle3",
+                   help="eagle3 stores the fused layer inputs too; eagle1 only the final hidden state")
+    p.add_argument("--layers", default=None, help="eagle3 fused layer ids, e.g. 2,15,27 (default: 2, N//2, N-3, "
+                   "what the head config uses)")
+    p.add_argument(*dtype_flags, dest="cache_dtype", choices=["bf16", "fp16"], default="bf16",
+                   help="storage dtype (default: bf16)")
+
+
+def _cache_layers(args: argparse.Namespace, target) -> tuple[int, ...]:
+    from eyas.models import default_fused_layer_ids
+
+    if args.head_type == "eagle1":
+        return ()
+    if args.layers:
+        return tuple(int(x) for x in args.layers.split(","))
+    return tuple(default_fused_layer_ids(target.num_layers))
 
 
 def _tokenizer(spec: str):
@@ -139,16 +166,11 @@ def _vocab(args: argparse.Namespace) -> int:
 
 def _cache_hidden(args: argparse.Namespace) -> int:
     from eyas.data.hidden_cache import cache_hidden
-    from eyas.models import Target, default_fused_layer_ids
+    from eyas.models import Target
 
     target = Target.load(args.target)
-    if args.head_type == "eagle1":
-        layers: tuple[int, ...] = ()
-    elif args.layers:
-        layers = tuple(int(x) for x in args.layers.split(","))
-    else:
-        layers = tuple(default_fused_layer_ids(target.num_layers))
-    cache_hidden(target, _load_examples(args.examples, args.split), args.out, layers, args.dtype, args.batch_size)
+    cache_hidden(target, _load_examples(args.examples, args.split), args.out, _cache_layers(args, target),
+                 args.cache_dtype, args.batch_size)
     print(f"hidden-state cache complete: {args.out}")
     return 0
 
@@ -164,7 +186,13 @@ def _regenerate(args: argparse.Namespace) -> int:
     if args.limit is not None:
         convs = convs.select(range(min(args.limit, len(convs))))
     cfg = GenerationConfig(args.max_new_tokens, args.temperature, args.top_p, args.seed, args.max_length, args.max_turns)
-    stats = regenerate_jsonl(target, convs, args.out, cfg, args.batch_size)
+    cache = args.cache_hidden is not None
+    stats = regenerate_jsonl(target, convs, args.out, cfg, args.batch_size,
+                             layer_ids=_cache_layers(args, target) if cache else None, cache_hidden=args.cache_hidden,
+                             cache_dtype=args.cache_dtype, shard_examples=args.shard_examples)
     print(f"regenerated {stats.conversations} conversations, {stats.useful_tokens} tokens in {stats.seconds:.1f} s: "
           f"{stats.tokens_per_s:.1f} useful tokens/s -> {args.out}")
+    if cache:
+        print(f"hidden states of {stats.state_tokens} tokens -> {args.cache_hidden} "
+              f"({stats.mask_fallbacks} examples masked on their final answer only: re-tokenizing changed them)")
     return 0

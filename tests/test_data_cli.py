@@ -6,6 +6,8 @@ import json
 import subprocess
 import sys
 
+import torch
+
 from test_data_regenerate import conversations
 from tiny import tiny_model, tiny_tokenizer
 
@@ -23,8 +25,12 @@ def test_data_commands(tmp_path, monkeypatch):
     src.write_text("".join(json.dumps({"messages": c}) + "\n" for c in conversations(12)))
 
     assert main(["data", "regenerate", "--target", str(target), "--source", str(src), "--out",
-                 str(tmp_path / "regen.jsonl"), "--max-new-tokens", "6", "--batch-size", "4"]) == 0
+                 str(tmp_path / "regen.jsonl"), "--max-new-tokens", "6", "--batch-size", "4",
+                 "--cache-hidden", str(tmp_path / "regen-hidden"), "--shard-examples", "5"]) == 0
     assert len((tmp_path / "regen.jsonl").read_text().splitlines()) == 12
+    regen_cached = HiddenStateDataset(tmp_path / "regen-hidden")
+    assert len(regen_cached) == 12 and len(regen_cached.index["shards"]) == 3
+    assert regen_cached.layer_ids == list(default_fused_layer_ids(4)) and regen_cached[0]["hidden"].dtype == torch.bfloat16
     ex = tmp_path / "ex"
     assert main(["data", "prepare", "--target", str(target), "--source", str(tmp_path / "regen.jsonl"),
                  "--out", str(ex), "--held-out", "2"]) == 0
