@@ -106,18 +106,21 @@ def test_launch_without_cpu_flag_is_refused(tmp_path):
     assert not checkpoint.list_checkpoints(tmp_path / "run")
 
 
-@pytest.mark.parametrize("kind, placement, expected", [("deepspeed_zero3", "auto", "zero3"), ("ddp", "shard", "fsdp")])
-def test_sharded_target_holds_part_per_rank_and_matches_one_process(tmp_path, kind, placement, expected):
+@pytest.mark.parametrize("kind, placement, expected, head_type", [("deepspeed_zero3", "auto", "zero3", "eagle1"),
+                                                                    ("ddp", "shard", "fsdp", "eagle3")])
+def test_sharded_target_holds_part_per_rank_and_matches_one_process(tmp_path, kind, placement, expected, head_type):
+    """eagle1 also backpropagates through the target's sharded lm_head; eagle3 reads its sharded layers' inputs."""
     dist_type = LAUNCHES[kind][2]
-    two = tiny_run_config(tmp_path / "two", "batch.size=2", "schedule.total_steps=3", "distributed.expect_processes=2",
-                          f"distributed.expect_type={dist_type}", f"distributed.target_placement={placement}")
+    two = tiny_run_config(tmp_path / "two", f"head.type={head_type}", "batch.size=2", "schedule.total_steps=3",
+                          "distributed.expect_processes=2", f"distributed.expect_type={dist_type}",
+                          f"distributed.target_placement={placement}")
     proc = launch(kind, two)
     found = re.search(rf"target placement {expected}: weights held per process \[(\d+), (\d+)\] of (\d+)", proc.stdout)
     assert found, proc.stdout[-3000:]
     held = [int(found[1]), int(found[2])]
     total = int(found[3])
     assert all(0 < h <= 0.55 * total for h in held) and sum(held) >= total  # halves (ZeRO pads each weight)
-    one = tiny_run_config(tmp_path / "one", "batch.size=4", "schedule.total_steps=3")
+    one = tiny_run_config(tmp_path / "one", f"head.type={head_type}", "batch.size=4", "schedule.total_steps=3")
     run(one)
     two_loss = [r["train/loss"] for r in _metrics(tmp_path / "two") if "train/loss" in r]
     one_loss = [r["train/loss"] for r in _metrics(tmp_path / "one") if "train/loss" in r]
