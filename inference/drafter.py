@@ -34,7 +34,7 @@ class TreeOptions:
     # dynamic: children per expanded node and nodes expanded per level.
     top_k: int = 4
     # dynamic: draft nodes verified per cycle, or "auto": on the first generate, time target forwards
-    # over 1..32 tokens and one draft, then pick the depth and size with the most expected tokens/s
+    # over 2..32 tokens and one draft, then pick the depth and size with the most expected tokens/s
     # (tuning.plan_tree). On a CPU that is a few nodes; on a GPU tens.
     total_tokens: int | Literal["auto"] = "auto"
     # static: the tree as child-rank paths from the root (default: a 16-node tree, tree.DEFAULT_PATHS).

@@ -24,7 +24,7 @@ from eyas.models import Target
 
 from .tree import tree_attention
 
-SIZES = (1, 2, 4, 8, 16, 32)  # tokens per verify forward that are timed
+SIZES = (2, 4, 8, 16, 32)  # tokens per verify forward that are timed; a verify has at least 2
 
 
 @torch.no_grad()
