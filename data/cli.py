@@ -54,6 +54,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     r.add_argument("--limit", type=int, default=None, help="only the first N conversations")
     r.add_argument("--dtype", default="fp32", help="target dtype: fp32 (default; on CPUs without native bf16 "
                    "batched bf16 is slow), bf16, fp16")
+    r.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice, one per "
+                   "core); on a machine shared with other jobs, 1 avoids threads waiting on each other")
     r.add_argument("--cache-hidden", default=None, metavar="DIR",
                    help="also store the target states captured while generating as an offline hidden-state cache "
                    "(what `cache-hidden` writes; train with data.hidden_states=offline), so no second target "
@@ -176,10 +178,14 @@ def _cache_hidden(args: argparse.Namespace) -> int:
 
 
 def _regenerate(args: argparse.Namespace) -> int:
+    import torch
+
     from eyas.data.regenerate import GenerationConfig, regenerate_jsonl
     from eyas.data.sources import load_conversations
     from eyas.models import Target
 
+    if args.threads:
+        torch.set_num_threads(args.threads)
     target = Target.load(args.target, dtype=args.dtype)
     convs, info = load_conversations(args.source, args.fields)
     print(info)
