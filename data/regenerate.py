@@ -93,7 +93,7 @@ class _SlotLayer(DynamicLayer):
         self.keys, self.values = self.kbuf[:, :, self.start: self.end], self.vbuf[:, :, self.start: self.end]
 
     def allocate(self, rows: int, like: torch.Tensor) -> None:
-        """Empty buffers shaped like one row of `like` [1, heads, T, d]."""
+        """Empty buffers for `rows` rows with the heads, head size and dtype of `like` [*, heads, *, d]."""
         self.kbuf = like.new_zeros(rows, like.shape[1], 0, like.shape[3])
         self.vbuf = self.kbuf.clone()
         self.is_initialized, self.device = True, like.device
@@ -104,13 +104,24 @@ class _SlotLayer(DynamicLayer):
         if self.start >= left and self.end + right <= self.kbuf.shape[2]:
             return
         width = self.end - self.start
-        cap = max(2 * (width + left + right), 64)
+        cap = max(2 * (width + left + right), 64)  # headroom: the next reallocation is ~width steps away
         # Zeros, not empty(): masked columns get weight 0, and 0 * NaN garbage would still be NaN.
-        k, v = self.kbuf.new_zeros(*self.kbuf.shape[:2], cap, self.kbuf.shape[3]), None
+        k = self.kbuf.new_zeros(*self.kbuf.shape[:2], cap, self.kbuf.shape[3])
         v = k.clone()
         k[:, :, left: left + width] = self.keys
         v[:, :, left: left + width] = self.values
         self.kbuf, self.vbuf, self.start, self.end = k, v, left, left + width
+        self._refresh()
+
+    def widen(self, width: int) -> None:
+        """At least `width` live columns; new ones are added on the left."""
+        if width > self.end - self.start:
+            self.reserve(width - (self.end - self.start), 0)
+            self.start = self.end - width
+            self._refresh()
+
+    def drop_left(self, n: int) -> None:
+        self.start += n
         self._refresh()
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
@@ -162,19 +173,18 @@ class SlotBatch:
             ids[i, p - len(x):] = torch.tensor(x)
             real[i, p - len(x):] = True
         pos = (real.cumsum(1) - 1).clamp(min=0)
-        causal = torch.ones(p, p, dtype=torch.bool).tril()
-        # A padding column attends to itself only, so no query row is fully masked (NaN-free).
-        mask = (causal & real[:, None, :]) | torch.eye(p, dtype=torch.bool)
+        mask = None  # no padding: plain causal (the fastest attention path)
+        if not real.all():
+            # A padding column attends to itself only, so no query row is fully masked (NaN-free).
+            mask = (torch.ones(p, p, dtype=torch.bool).tril() & real[:, None, :]) | torch.eye(p, dtype=torch.bool)
+            mask = mask.to(dev)
         own = self.target.new_cache()
-        out = self.target(ids.to(dev), position_ids=pos.to(dev), attention_mask=mask.to(dev), cache=own,
+        out = self.target(ids.to(dev), position_ids=pos.to(dev), attention_mask=mask, cache=own,
                           layer_ids=layer_ids, logits_to_keep=torch.full((g, 1), p - 1, device=dev))
         for l, o in zip(self.layers, own.layers):
             if l.kbuf is None:
                 l.allocate(len(self.lens), o.keys)
-            l.reserve(max(0, p - (l.end - l.start)), 0)
-            if p > l.end - l.start:
-                l.start = l.end - p
-                l._refresh()
+            l.widen(p)
             for i, (row, x) in enumerate(zip(rows, prompts)):
                 l.keys[row, :, -len(x):] = o.keys[i, :, p - len(x):]
                 l.values[row, :, -len(x):] = o.values[i, :, p - len(x):]
@@ -192,8 +202,7 @@ class SlotBatch:
         drop = self.width - int(self.lens.max())
         if drop > 0:  # columns to the left of every row are dead weight
             for l in self.layers:
-                l.start += drop
-                l._refresh()
+                l.drop_left(drop)
         return out
 
 
