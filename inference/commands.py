@@ -153,9 +153,12 @@ def add_tree_options(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("draft tree")
     g.add_argument("--tree", dest="tree_kind", choices=["dynamic", "static", "chain"], default=None,
                    help="tree shape: dynamic (expand the likeliest nodes), static (fixed --paths) or chain")
-    g.add_argument("--depth", type=int, default=None, help="draft steps per cycle")
+    g.add_argument("--depth", type=int, default=None,
+                   help="draft steps per cycle; with --total-tokens auto the most the tuner may pick (default 6)")
     g.add_argument("--tree-top-k", type=int, default=None, help="children considered per node (dynamic tree)")
-    g.add_argument("--total-tokens", type=_int_or_auto, default=None, help="draft tokens verified per cycle, or `auto`")
+    g.add_argument("--total-tokens", type=_int_or_auto, default=None,
+                   help="draft tokens verified per cycle (dynamic tree), or `auto` (default): time this machine's "
+                   "target forwards and one draft, then pick the depth and size with the most expected tokens/s")
     g.add_argument("--paths", default=None, help='static tree as JSON paths, e.g. "[[0],[1],[0,0]]"')
 
 
