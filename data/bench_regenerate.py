@@ -10,7 +10,10 @@ same greedy settings and batch size for every variant:
 - regenerate+states: the same, capturing the EAGLE-3 features and final hidden of every token.
 - bare forward: one separate target pass (with the same layer features) over each finished
   example: what extracting the features afterwards would cost.
-Useful tokens = generated tokens up to and including the end-of-turn token.
+Useful tokens = generated tokens up to and including the end-of-turn token. Each variant is
+reported per wall second and per CPU second of this process (time.process_time): on a machine
+shared with other jobs, wall time depends on their load, CPU time much less; with --threads 1
+no CPU time is spent by OpenMP threads waiting on each other.
 """
 
 from __future__ import annotations
@@ -61,7 +64,7 @@ def main(argv: list[str] | None = None) -> None:
     # -- plain batched generate --
     tok.padding_side = "left"
     prompts = [tok.apply_chat_template(c[:1], tokenize=False, add_generation_prompt=True) for c in chats]
-    t0, useful = time.perf_counter(), 0
+    t0, c0, useful = time.perf_counter(), time.process_time(), 0
     for i in range(0, len(prompts), args.batch_size):
         enc = tok(prompts[i: i + args.batch_size], return_tensors="pt", padding=True, add_special_tokens=False)
         with torch.no_grad():
@@ -70,12 +73,15 @@ def main(argv: list[str] | None = None) -> None:
         for row in out[:, enc["input_ids"].shape[1]:].tolist():
             useful += row.index(eos) + 1 if eos in row else len(row)
     plain = useful / (time.perf_counter() - t0)
-    print(f"generate:            {useful} useful tokens, {plain:8.1f} useful tokens/s")
+    plain_cpu = useful / (time.process_time() - c0)
+    print(f"generate:            {useful} useful tokens, {plain:8.1f} useful tokens/s, {plain_cpu:8.1f} per CPU-s")
 
     # -- continuous batching, without and with state capture --
+    c0 = time.process_time()
     ours = regenerate(target, enumerate(chats), cfg, args.batch_size, progress=False)
+    ours_cpu = ours.useful_tokens / (time.process_time() - c0)
     print(f"regenerate:          {ours.useful_tokens} useful tokens, {ours.tokens_per_s:8.1f} useful tokens/s "
-          f"({ours.tokens_per_s / plain:.2f}x generate)")
+          f"({ours.tokens_per_s / plain:.2f}x generate), {ours_cpu:8.1f} per CPU-s ({ours_cpu / plain_cpu:.2f}x)")
     if args.no_capture:
         return
     jobs = []
