@@ -82,7 +82,9 @@ class Logits:
         # Sharded weights (DeepSpeed ZeRO-3, FSDP2) are only whole inside the module's own call.
         return (type(lm_head) is nn.Linear and w is not None and w.device.type == "cpu"
                 and w.dtype == torch.float32 and torch.backends.mkldnn.is_available()
-                and type(w.data) is torch.Tensor and not hasattr(w, "ds_id"))
+                and type(w.data) is torch.Tensor and not hasattr(w, "ds_id")
+                # hooks (accelerate offloading, user hooks) expect the module to be called
+                and not (lm_head._forward_hooks or lm_head._forward_pre_hooks or "forward" in vars(lm_head)))
 
     def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
         if not self.applies(self.lm_head):

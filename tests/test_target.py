@@ -107,6 +107,14 @@ def test_logit_projection_matches_lm_head_and_follows_weight_changes(rows):
     torch.testing.assert_close(proj(h), target.lm_head(h), rtol=1e-5, atol=1e-5)
 
 
+def test_logit_projection_runs_the_module_when_it_is_hooked():
+    target = tiny_target("llama")
+    calls = []
+    target.lm_head.register_forward_pre_hook(lambda module, args: calls.append(tuple(args[0].shape)))
+    out = target(torch.randint(4, 300, (1, 5)), logits_to_keep=torch.tensor([[2, 4]]))
+    assert calls == [(1, 2, target.hidden_size)] and out.logits.shape == (1, 2, target.vocab_size)
+
+
 def test_logit_projection_falls_back_to_the_module_outside_cpu_fp32():
     target = tiny_target("llama", tied=False, dtype=torch.bfloat16)
     assert not target.logit_projection.applies(target.lm_head)
