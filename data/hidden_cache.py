@@ -17,6 +17,7 @@ A cache written during regeneration (regenerate.py) also stores each shard's dat
 from __future__ import annotations
 
 import bisect
+import hashlib
 import json
 import shutil
 from dataclasses import asdict
@@ -215,6 +216,20 @@ class HiddenStateDataset(torch.utils.data.Dataset):
         if self.layer_ids:
             item["features"] = f.get_slice("features")[a:b]
         return item
+
+    def token_rows(self) -> datasets.Dataset:
+        """input_ids and loss_mask of every example, read without the states (e.g. to count the draft
+        vocabulary); fingerprinted by the cache's index, so a vocab map built from it is reused only for it."""
+        ids, masks = [], []
+        for s in range(len(self.index["shards"])):
+            f = self._shard(s)
+            offsets = f.get_tensor("offsets").tolist()
+            flat_ids, flat_mask = f.get_tensor("input_ids"), f.get_tensor("loss_mask")
+            ids += [flat_ids[a:b].tolist() for a, b in zip(offsets, offsets[1:])]
+            masks += [flat_mask[a:b].tolist() for a, b in zip(offsets, offsets[1:])]
+        digest = hashlib.sha256(json.dumps(self.index, sort_keys=True).encode()).hexdigest()[:32]
+        rows = datasets.Dataset.from_dict({"input_ids": ids, "loss_mask": masks})
+        return rows.select(range(len(rows)), new_fingerprint=f"hidden-cache-{digest}")
 
     def __getstate__(self) -> dict:  # safetensors handles do not pickle; reopen in the worker
         return {**self.__dict__, "_files": {}}

@@ -98,21 +98,25 @@ def test_nan_loss_stops_with_last_checkpoint_intact(tmp_path, monkeypatch):
 
 
 def test_offline_cache_trains_like_online(tmp_path):
-    """A run reading the data layer's hidden-state cache (fp32) sees the same examples and losses as online."""
+    """A run reading the data layer's hidden-state cache (fp32) sees the same examples and losses as online,
+    and counts the same reduced draft vocabulary from the cache's own tokens."""
     from eyas.data import build_examples
     from eyas.data.hidden_cache import cache_hidden
+    from eyas.data.vocab import read_vocab_map
     from eyas.models import Target, default_fused_layer_ids
 
-    online = tiny_run_config(tmp_path / "online", "schedule.total_steps=2")
+    online = tiny_run_config(tmp_path / "online", "schedule.total_steps=2", "head.draft_vocab_size=48")
     target = Target.load(online.target.spec)
     examples, _ = build_examples(online.data.source, target.tokenizer, max_length=online.data.max_length)
     cache = tmp_path / "cache-hidden"
     cache_hidden(target, examples, cache, layer_ids=default_fused_layer_ids(target.num_layers), dtype="fp32")
     run(online)
     reset_accelerate()
-    run(tiny_run_config(tmp_path / "offline", "schedule.total_steps=2", "data.hidden_states=offline",
-                        f"data.cache_dir={cache}"))
+    run(tiny_run_config(tmp_path / "offline", "schedule.total_steps=2", "head.draft_vocab_size=48",
+                        "data.hidden_states=offline", f"data.cache_dir={cache}"))
     assert losses(tmp_path / "offline") == pytest.approx(losses(tmp_path / "online"), abs=1e-4)
+    vocabs = [read_vocab_map(tmp_path / run_dir / "vocab_map.safetensors") for run_dir in ("online", "offline")]
+    assert torch.equal(vocabs[0].draft_to_target, vocabs[1].draft_to_target) and vocabs[0].coverage < 1
     reset_accelerate()
     with pytest.raises(ValueError, match="holds layers"):
         Trainer(tiny_run_config(tmp_path / "bad", "data.hidden_states=offline", f"data.cache_dir={cache}",

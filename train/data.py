@@ -71,6 +71,10 @@ class Subset:
     def layer_ids(self) -> list[int]:
         return self.examples.layer_ids
 
+    def token_rows(self):
+        """The rows' input_ids and loss_mask as a datasets.Dataset (the cache's `token_rows`, selected)."""
+        return self.examples.token_rows().select(self.index)
+
 
 class ExampleStream:
     """Endless seeded epochs over `examples`; positions are global stream offsets."""

@@ -128,18 +128,12 @@ class Trainer:
             raise ValueError(f"the hidden-state cache {c.data.cache_dir} holds layers {self.train_set.layer_ids}, the "
                              f"head fuses {list(head_config.fused_layer_ids)}: set head.fused_layer_ids to match")
         if hc.type == "eagle3" and head_config.draft_vocab_size < head_config.vocab_size:
-            from eyas.data.vocab import build_vocab_map, read_vocab_map
+            from eyas.data.vocab import build_vocab_map
 
             vocab_path = vocab_cache_path(c.data, c.output_dir)
-            if offline:  # the cache holds no datasets.Dataset to count tokens from: use the stored map
-                if not vocab_path.is_file():
-                    raise FileNotFoundError(f"offline training with a reduced draft vocab needs the vocab map built "
-                                            f"with the cache: set data.vocab_cache (no file at {vocab_path})")
-                vocab = read_vocab_map(vocab_path)
-            else:
-                with acc.main_process_first():
-                    vocab = build_vocab_map(self.train_set, self.target.tokenizer, head_config.draft_vocab_size,
-                                            vocab_path)
+            counted = self.train_set.token_rows() if offline else self.train_set  # the cache: tokens only
+            with acc.main_process_first():
+                vocab = build_vocab_map(counted, self.target.tokenizer, head_config.draft_vocab_size, vocab_path)
             head.set_vocab_map(vocab.draft_to_target)
             self.log(f"draft vocab: {head_config.draft_vocab_size} tokens cover {vocab.coverage:.1%} of training targets")
 
