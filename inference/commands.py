@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 
+from .main_job import SelfDistill  # light: the main job imports torch only when it runs
+
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("generate", help="speculative generation from a prompt with a trained head",
@@ -42,10 +44,11 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="also time plain one-token decoding through eyas's Target: separates what its faster "
                    "logits give from what speculation gives")
     p.set_defaults(func=_bench)
-    p = sub.add_parser("demo", help="the main job: train the demo head, export it, benchmark it on MT-bench",
-                       description="Train the demo EAGLE-3 head for SmolLM2-135M-Instruct on ShareGPT "
-                       "(configs/smollm2-135m-eagle3.yaml), export it, run `eyas bench` on MT-bench and print the "
-                       "table. Each step is the real command (printed as it runs); rerunning resumes training.")
+    p = sub.add_parser("demo", help="the main job: self-distil data, train the demo head, export it, benchmark it",
+                       description="Have the target answer ShareGPT prompts itself (self-distillation, with the "
+                       "hidden states captured while generating), train the demo EAGLE-3 head for SmolLM2-135M-Instruct "
+                       "on them (configs/smollm2-135m-eagle3.yaml), export it, run `eyas bench` on MT-bench and print "
+                       "the table. Each step is the real command (printed as it runs); rerunning resumes every step.")
     p.add_argument("--questions", default=None,
                    help="MT-bench question.jsonl (FastChat's fastchat/llm_judge/data/mt_bench/question.jsonl)")
     p.add_argument("--config", default="configs/smollm2-135m-eagle3.yaml", help="training run YAML")
@@ -56,6 +59,13 @@ def register(sub: argparse._SubParsersAction) -> None:
                    "bf16 is faster on most machines but not bit-identical)")
     p.add_argument("--limit", type=int, default=None, help="bench only the first N questions")
     p.add_argument("--max-new-tokens", type=int, default=256, help="new tokens per question (default 256)")
+    d = SelfDistill()
+    p.add_argument("--distill-source", default=d.source, help=f"prompts to self-distil (default {d.source})")
+    p.add_argument("--distill-conversations", type=int, default=d.conversations, metavar="N",
+                   help=f"answer the first user turn of the first N conversations (default {d.conversations}); "
+                   "0 trains on the config's data.source as it is")
+    p.add_argument("--distill-max-new-tokens", type=int, default=d.max_new_tokens, metavar="N",
+                   help=f"longest self-distilled answer (default {d.max_new_tokens})")
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="training config overrides, e.g. schedule.total_steps=50")
     p.set_defaults(func=_demo)
 
@@ -198,5 +208,6 @@ def _bench(args: argparse.Namespace) -> int:
 def _demo(args: argparse.Namespace) -> int:
     from .main_job import run_main_job
 
+    distill = SelfDistill(args.distill_source, args.distill_conversations, args.distill_max_new_tokens)
     return run_main_job(args.config, args.questions, head_out=args.head_out, report=args.report, dtype=args.dtype,
-                        limit=args.limit, max_new_tokens=args.max_new_tokens, overrides=args.overrides)
+                        limit=args.limit, max_new_tokens=args.max_new_tokens, overrides=args.overrides, distill=distill)

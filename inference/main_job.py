@@ -1,29 +1,47 @@
-"""`eyas demo`, the main job: train the demo head, export it, benchmark it, say where everything is.
+"""`eyas demo`, the main job: make self-distilled data, train the demo head, export it, benchmark it.
 
 Thin on purpose: each step is the real `eyas` command, printed before it runs, so the user can
-rerun or vary any of them by hand. Training resumes from its newest checkpoint when rerun.
+rerun or vary any of them by hand. Every step resumes: regeneration skips conversations already
+written, training continues from its newest checkpoint.
+
+Why self-distillation: the head is judged on how often it guesses what *this* target says. ShareGPT's
+answers were written by other models; the target rewriting them (greedy, as the benchmark decodes)
+gives training text whose next tokens the head can actually learn. The main job writes it to
+<output_dir>/selfdistill.jsonl with `eyas data regenerate` and trains on it (`data.source=` that file).
 """
 
 from __future__ import annotations
 
 import os
 import shlex
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
-
-from .bench import load_questions
 
 QUESTIONS_HINT = ("pass --questions: an MT-bench question.jsonl (FastChat's "
                   "fastchat/llm_judge/data/mt_bench/question.jsonl, 80 rows of question_id, category, turns)")
 
 
+@dataclass(frozen=True)
+class SelfDistill:
+    """How the training file is made: the target answers the first user turn of `source`'s conversations."""
+
+    source: str = "sharegpt"
+    conversations: int = 4000  # the first N (prompts over max_length are skipped); 0 = train on data.source as is
+    max_new_tokens: int = 384
+    max_length: int = 640  # prompt + answer
+    batch_size: int = 64  # fp32 batched decoding on a CPU gets cheaper per token up to ~64 rows
+
+
 def run_main_job(
     config: str | os.PathLike, questions: str | os.PathLike | None, head_out: str | os.PathLike,
     report: str | os.PathLike | None = None, dtype: str = "fp32", limit: int | None = None,
-    max_new_tokens: int = 256, overrides: Sequence[str] = (),
+    max_new_tokens: int = 256, overrides: Sequence[str] = (), distill: SelfDistill = SelfDistill(),
 ) -> int:
-    """Run train -> export -> bench; returns the exit status of the first failing step, else 0."""
+    """Run [regenerate ->] train -> export -> bench; returns the exit status of the first failing step, else 0."""
     from eyas.train.config import load_config
+
+    from .bench import load_questions
 
     if questions is None:
         raise ValueError(QUESTIONS_HINT)
@@ -32,7 +50,17 @@ def run_main_job(
     run = load_config(config, list(overrides))
 
     report = Path(report) if report is not None else Path(run.output_dir) / "bench" / "report.json"
-    steps = [
+    steps, overrides = [], list(overrides)
+    if distill.conversations > 0:  # states captured while generating: training needs no target pass
+        data, cache = Path(run.output_dir) / "selfdistill.jsonl", Path(run.output_dir) / "hidden"
+        steps.append(["data", "regenerate", "--target", run.target.spec, "--source", distill.source,
+                      "--out", str(data), "--cache-hidden", str(cache), "--head-type", run.head.type,
+                      "--limit", str(distill.conversations), "--max-turns", "1",
+                      "--max-new-tokens", str(distill.max_new_tokens), "--max-length", str(distill.max_length),
+                      "--batch-size", str(distill.batch_size), "--dtype", "fp32",
+                      *(["--layers", ",".join(map(str, run.head.fused_layer_ids))] if run.head.fused_layer_ids else [])])
+        overrides += [f"data.source={data}", "data.hidden_states=offline", f"data.cache_dir={cache}"]
+    steps += [
         ["train", "--config", str(config), *overrides],
         ["export", str(Path(run.output_dir) / "head"), "--out", str(head_out)],  # the trainer's final head
         ["bench", "--target", run.target.spec, "--head", str(head_out), "--questions", str(questions),

@@ -149,17 +149,21 @@ def test_demo_without_questions_says_where_to_get_them(capsys):
     assert "mt_bench/question.jsonl" in capsys.readouterr().err
 
 
-def test_demo_trains_exports_and_benches(tmp_path, capsys):
+def test_demo_distils_trains_exports_and_benches(tmp_path, capsys):
     from eyas.inference.cli import main
     from train_tiny import TINY_CONFIG, write_conversations
 
     target, data = write_target(tmp_path / "target"), write_conversations(tmp_path / "convs.jsonl")
     rc = main(["demo", "--config", str(TINY_CONFIG), "--questions", str(_write(tmp_path / "q.jsonl", QUESTIONS)),
                "--head-out", str(tmp_path / "head"), "--dtype", "fp32", "--limit", "2", "--max-new-tokens", "8",
-               f"target.spec={target}", f"data.source={data}", f"output_dir={tmp_path / 'run'}",
+               "--distill-source", str(data), "--distill-conversations", "12", "--distill-max-new-tokens", "8",
+               f"target.spec={target}", f"output_dir={tmp_path / 'run'}", "head.draft_vocab_size=64",
                "schedule.total_steps=2", "checkpoint.every=2"])
     out = capsys.readouterr().out
     assert rc == 0
+    regenerated = (tmp_path / "run" / "selfdistill.jsonl").read_text().splitlines()
+    assert 0 < len(regenerated) <= 12 and (tmp_path / "run" / "hidden" / "index.json").is_file()
+    assert "data.hidden_states=offline" in out  # the head trained on the states captured while regenerating
     report = json.loads((tmp_path / "run" / "bench" / "report.json").read_text())
     assert report["overall"]["questions"] == 2 and report["overall"]["exact_match_fraction"] == 1.0
     assert "prompt_lookup_speedup" in report["overall"]
