@@ -37,10 +37,12 @@ class Question:
     chat: bool  # True: render through the target's chat template with add_generation_prompt
 
 
-def load_questions(path: str | os.PathLike, limit: int | None = None) -> list[Question]:
+def load_questions(path: str | os.PathLike, limit: int | None = None,
+                   per_category: int | None = None) -> list[Question]:
     """MT-bench / Spec-Bench rows (`question_id`, `category`, `turns`) or HumanEval-style rows (`prompt`).
 
-    Only the first turn of a multi-turn question is used. Raises ValueError naming the line.
+    Only the first turn of a multi-turn question is used; per_category keeps the first N of each category
+    (a quick run that still covers every category), limit the first N kept. Raises ValueError naming the line.
     """
     path = Path(path)
     if not path.is_file():
@@ -55,7 +57,9 @@ def load_questions(path: str | os.PathLike, limit: int | None = None) -> list[Qu
                 row = json.loads(line)
             except json.JSONDecodeError as e:
                 raise ValueError(f"{where}: not valid JSON ({e.msg})") from e
-            questions.append(_question(row, where, len(questions)))
+            question = _question(row, where, len(questions))
+            if per_category is None or sum(q.category == question.category for q in questions) < per_category:
+                questions.append(question)
             if limit is not None and len(questions) >= limit:
                 break
     if not questions:
@@ -116,6 +120,7 @@ def run_bench(
     device: str = "cpu",
     threads: int | None = None,
     limit: int | None = None,
+    per_category: int | None = None,
     prompt_lookup: int | None = None,
     eyas_plain: bool = False,
     seed: int = 0,
@@ -133,7 +138,7 @@ def run_bench(
     A Target passed in is used where it is (device) and must already be in `dtype`.
     """
     if isinstance(questions, (str, os.PathLike)):
-        questions = load_questions(questions, limit)
+        questions = load_questions(questions, limit, per_category)
     elif not (questions := list(questions)[:limit]):
         raise ValueError("no questions to benchmark")
     threads_before = torch.get_num_threads()

@@ -37,6 +37,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--seed", type=int, default=0, help="sampling seed; question i uses seed+i on both sides")
     p.add_argument("--device", default="cpu", help="torch device for target and head, e.g. cuda (default cpu)")
     p.add_argument("--limit", type=int, default=None, help="only the first N questions")
+    p.add_argument("--per-category", type=int, default=None, metavar="N",
+                   help="only the first N questions of each category (MT-bench: --per-category 1 = 8 questions)")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--prompt-lookup", type=int, nargs="?", const=10, default=None, metavar="N",
                    help="also run transformers prompt-lookup decoding with N candidate tokens (default N=10)")
@@ -58,6 +60,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="bench dtype (default fp32, where greedy outputs must equal plain generate exactly; "
                    "bf16 is faster on most machines but not bit-identical)")
     p.add_argument("--limit", type=int, default=None, help="bench only the first N questions")
+    p.add_argument("--per-category", type=int, default=None, metavar="N",
+                   help="bench only the first N questions of each category")
     p.add_argument("--max-new-tokens", type=int, default=256, help="new tokens per question (default 256)")
     d = SelfDistill()
     p.add_argument("--distill-source", default=d.source, help=f"prompts to self-distil (default {d.source})")
@@ -197,7 +201,8 @@ def _bench(args: argparse.Namespace) -> int:
 
     report = run_bench(args.target, args.head, args.questions, max_new_tokens=args.max_new_tokens,
                        temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
-                       dtype=args.dtype, device=args.device, limit=args.limit, threads=args.threads,
+                       dtype=args.dtype, device=args.device, limit=args.limit, per_category=args.per_category,
+                       threads=args.threads,
                        prompt_lookup=args.prompt_lookup, eyas_plain=args.eyas_plain, out=args.out,
                        **tree_options(args))
     print(format_table(report))
@@ -210,4 +215,5 @@ def _demo(args: argparse.Namespace) -> int:
 
     distill = SelfDistill(args.distill_source, args.distill_conversations, args.distill_max_new_tokens)
     return run_main_job(args.config, args.questions, head_out=args.head_out, report=args.report, dtype=args.dtype,
-                        limit=args.limit, max_new_tokens=args.max_new_tokens, overrides=args.overrides, distill=distill)
+                        limit=args.limit, per_category=args.per_category, max_new_tokens=args.max_new_tokens,
+                        overrides=args.overrides, distill=distill)

@@ -36,7 +36,7 @@ class SelfDistill:
 def run_main_job(
     config: str | os.PathLike, questions: str | os.PathLike | None, head_out: str | os.PathLike,
     report: str | os.PathLike | None = None, dtype: str = "fp32", limit: int | None = None,
-    max_new_tokens: int = 256, overrides: Sequence[str] = (), distill: SelfDistill = SelfDistill(),
+    per_category: int | None = None, max_new_tokens: int = 256, overrides: Sequence[str] = (), distill: SelfDistill = SelfDistill(),
 ) -> int:
     """Run [regenerate ->] train -> export -> bench; returns the exit status of the first failing step, else 0."""
     from eyas.train.config import load_config
@@ -45,7 +45,7 @@ def run_main_job(
 
     if questions is None:
         raise ValueError(QUESTIONS_HINT)
-    load_questions(questions, limit)  # a bad questions file fails now, not after training
+    load_questions(questions, limit, per_category)  # a bad questions file fails now, not after training
     config = _find_config(config)
     run = load_config(config, list(overrides))
 
@@ -65,7 +65,8 @@ def run_main_job(
         ["export", str(Path(run.output_dir) / "head"), "--out", str(head_out)],  # the trainer's final head
         ["bench", "--target", run.target.spec, "--head", str(head_out), "--questions", str(questions),
          "--out", str(report), "--dtype", dtype, "--max-new-tokens", str(max_new_tokens), "--prompt-lookup",
-         *(["--limit", str(limit)] if limit is not None else [])],
+         *(["--limit", str(limit)] if limit is not None else []),
+         *(["--per-category", str(per_category)] if per_category is not None else [])],
     ]
     for argv in steps:
         if rc := _step(argv):

@@ -110,6 +110,8 @@ def test_missing_or_empty_file_is_a_clear_error(tmp_path):
     with pytest.raises(ValueError, match="no questions"):
         load_questions(_write(tmp_path / "q.jsonl", [""]))
     assert len(load_questions(_write(tmp_path / "q.jsonl", QUESTIONS), limit=2)) == 2
+    one_each = load_questions(tmp_path / "q.jsonl", per_category=1)
+    assert [(q.question_id, q.category) for q in one_each] == [(1, "writing"), ("HumanEval/0", "code")]
 
 
 def test_accept_rate_per_position_is_conditional_on_reaching_the_position():
