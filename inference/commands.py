@@ -48,8 +48,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=_bench)
     p = sub.add_parser("demo", help="the main job: self-distil data, train the demo head, export it, benchmark it",
                        description="Have the target answer ShareGPT prompts itself (self-distillation, with the "
-                       "hidden states captured while generating), train the demo EAGLE-3 head for SmolLM2-135M-Instruct "
-                       "on them (configs/smollm2-135m-eagle3.yaml), export it, run `eyas bench` on MT-bench and print "
+                       "hidden states captured while generating), train the demo EAGLE-3 head for "
+                       "SmolLM2-135M-Instruct on them (configs/smollm2-135m-eagle3.yaml), export it, run `eyas bench` on MT-bench and print "
                        "the table. Each step is the real command (printed as it runs); rerunning resumes every step.")
     p.add_argument("--questions", default=None,
                    help="MT-bench question.jsonl (FastChat's fastchat/llm_judge/data/mt_bench/question.jsonl)")
