@@ -131,8 +131,6 @@ class DraftHead(nn.Module):
         x = hidden.to(dtype)
         if self.config.head_type == "eagle1":
             x = self.fc(torch.cat([emb, x], dim=-1))
-        if attention_mask is None and cache is not None and len(cache) > 0:
-            raise ValueError("attention_mask is required when the head cache is not empty")
         mask = None if attention_mask is None else additive_mask(attention_mask, dtype)
         rope = self.rotary(position_ids, dtype)
         for i, layer in enumerate(self.layers):

@@ -79,6 +79,71 @@ class HeadCache:
                 self.keys[i] = k.gather(2, idx)
                 self.values[i] = self.values[i].gather(2, idx)
 
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               mask: torch.Tensor | None) -> torch.Tensor:
+        """Append this block's k, v [B, kv_heads, T, D] and attend q [B, heads, T, D] over the whole cache."""
+        if mask is None and len(self) > 0:
+            raise ValueError("attention_mask is required when the head cache is not empty")
+        k, v = self.update(layer, k, v)
+        return attend(q, k, v, mask)
+
+
+class TTTCache(HeadCache):
+    """Training-time test (EAGLE-3): step 0 at every sequence index, then steps i >= 1 at chosen rows.
+
+    A step-i query at index t sees the step-0 keys at indices <= t and its own chain's keys of steps
+    1..i, all at index t. Stored as the dense [T, (i+1)T] mask [causal | eye | ...] those diagonal blocks
+    cost O(T^2) each for O(T) useful entries, so here the chain's keys are kept per query row,
+    [B, kv_heads, M, i, D], scored elementwise and merged with the causal step-0 block in one softmax.
+    """
+
+    def __init__(self, num_layers: int) -> None:
+        super().__init__(num_layers)
+        self.chain_keys: list[torch.Tensor | None] = [None] * num_layers
+        self.chain_values: list[torch.Tensor | None] = [None] * num_layers
+        self.query_index: torch.Tensor | None = None  # [B, M] sequence index of each row; None at step 0
+
+    def next_step(self, query_index: torch.Tensor, source: torch.Tensor) -> None:
+        """The next step runs at rows query_index [B, M] (index t, -1 = padding row, which sees step-0
+        key 0 and its own chain only, so stays finite); source [B, M]: each row's row in the previous step."""
+        self.query_index = query_index
+        for i, k in enumerate(self.chain_keys):
+            if k is not None:
+                idx = source[:, None, :, None, None].expand(-1, k.shape[1], -1, *k.shape[3:])
+                self.chain_keys[i] = k.gather(2, idx)
+                self.chain_values[i] = self.chain_values[i].gather(2, idx)
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               mask: torch.Tensor | None) -> torch.Tensor:
+        if self.query_index is None:  # step 0: plain causal attention over every index
+            return super().attend(layer, q, k, v, mask)
+        if mask is not None:
+            raise ValueError("TTTCache builds its own mask; pass attention_mask=None")
+        # q [B, heads, M, D] -> [B, kv, rep, M, D]: GQA by broadcasting instead of repeating keys
+        b, heads, m, d = q.shape
+        kv = k.shape[1]
+        q = q.reshape(b, kv, heads // kv, m, d) * d ** -0.5
+        chain_k = k[:, :, :, None] if self.chain_keys[layer] is None else torch.cat([self.chain_keys[layer], k[:, :, :, None]], 3)
+        chain_v = v[:, :, :, None] if self.chain_values[layer] is None else torch.cat([self.chain_values[layer], v[:, :, :, None]], 3)
+        self.chain_keys[layer], self.chain_values[layer] = chain_k, chain_v  # [B, kv, M, i, D]
+        keys, values = self.keys[layer][:, :, None], self.values[layer][:, :, None]  # [B, kv, 1, T, D]
+        causal = torch.arange(keys.shape[3], device=q.device) <= self.query_index.clamp(min=0)[:, :, None]  # [B, M, T]
+        scores = (q @ keys.transpose(-1, -2)).masked_fill(~causal[:, None, None], float("-inf"))  # [B, kv, rep, M, T]
+        chain = torch.einsum("bkrmd,bkmid->bkrmi", q, chain_k)  # [B, kv, rep, M, i]
+        p = torch.softmax(torch.cat([scores, chain], dim=-1), dim=-1)
+        t = keys.shape[3]
+        out = p[..., :t] @ values + torch.einsum("bkrmi,bkmid->bkrmd", p[..., t:], chain_v)
+        return out.reshape(b, heads, m, d)
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """q [B, heads, T, D], k, v [B, kv_heads, S, D], mask [B, 1, T, S] additive (0 / -inf) or None
+    (causal, S == T) -> [B, heads, T, D]."""
+    rep = q.shape[1] // k.shape[1]
+    if rep > 1:
+        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None and q.shape[2] > 1)
+
 
 class Attention(nn.Module):
     def __init__(self, config: HeadConfig, in_size: int) -> None:
@@ -104,13 +169,8 @@ class Attention(nn.Module):
         v = self.v_proj(x).view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
         cos, sin = rope
         q, k = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
-        if cache is not None:
-            k, v = cache.update(layer_idx, k, v)
-        rep = self.num_heads // self.num_kv_heads
-        if rep > 1:
-            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
         # mask [B, 1, T, S] additive (0 / -inf); None means plain causal over a cache-free block.
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None and t > 1)
+        out = attend(q, k, v, mask) if cache is None else cache.attend(layer_idx, q, k, v, mask)
         return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
 
 

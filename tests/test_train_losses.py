@@ -10,7 +10,9 @@ from tiny import tiny_target
 
 from eyas.models import DraftHead, head_config_for
 from eyas.train.config import LossConfig
-from eyas.train.losses import acceptance, eagle1_loss, eagle3_ttt_loss, feature_noise, soft_cross_entropy, ttt_mask
+from eyas.models.layers import TTTCache, attend
+from eyas.models.masks import additive_mask
+from eyas.train.losses import acceptance, eagle1_loss, eagle3_ttt_loss, feature_noise, soft_cross_entropy
 
 
 # ---- the straightforward reference: every step at every index, full logits, then mask -------------
@@ -63,24 +65,32 @@ def reference_eagle1(head, input_ids, valid, target_hidden, target_logits, confi
                   "correct/step0": correct, "count/step0": count, "oov/step0": torch.zeros_like(count)}
 
 
-def test_ttt_mask_literal():
-    expected = torch.tensor([
-        [1, 0, 0, 1, 0, 0, 1, 0, 0],
-        [1, 1, 0, 0, 1, 0, 0, 1, 0],
-        [1, 1, 1, 0, 0, 1, 0, 0, 1],
-    ], dtype=torch.bool)
-    every = torch.arange(3)[None]
-    assert torch.equal(ttt_mask(every, [every, every], 3)[0], expected)
-
-
-def test_ttt_mask_literal_on_a_subset_with_padding():
-    """Step 2 over rows (1, pad) after step 1 kept rows (0, 1): own index only, never a padding key."""
-    expected = torch.tensor([
+def test_ttt_cache_attends_like_the_literal_mask():
+    """TTTCache over steps 0, 1, 2 equals dense attention under the literal [causal | eye | eye] mask,
+    for step 2 on a subset of rows with a padding row (which must stay finite)."""
+    torch.manual_seed(0)
+    b, heads, kv, d, n = 1, 4, 2, 8, 3
+    keys = [(torch.randn(b, kv, n, d), torch.randn(b, kv, n, d)) for _ in range(3)]
+    q = torch.randn(b, heads, n, d)
+    cache = TTTCache(1)
+    cache.attend(0, q, *keys[0], None)
+    every = torch.arange(n)[None]
+    cache.next_step(every, every)
+    cache.attend(0, q, *keys[1], None)
+    rows = torch.tensor([[1, -1]])  # step 2 keeps index 1 and a padding row
+    source = rows.clamp(min=0)
+    cache.next_step(rows, source)
+    k2, v2 = (x[:, :, source[0]] for x in keys[2])
+    out = cache.attend(0, q[:, :, source[0]], k2, v2, None)
+    allowed = torch.tensor([
         [1, 1, 0, 0, 1, 0, 1, 0],
-        [1, 0, 0, 0, 0, 0, 0, 0],
+        [1, 0, 0, 1, 0, 0, 0, 1],  # padding row: step-0 key 0 and its own chain (a copy of row 0)
     ], dtype=torch.bool)
-    mask = ttt_mask(torch.tensor([[1, -1]]), [torch.tensor([[0, 1, -1]]), torch.tensor([[1, -1]])], 3)
-    assert torch.equal(mask[0], expected)
+    dense_k = torch.cat([keys[0][0], keys[1][0], k2], dim=2)
+    dense_v = torch.cat([keys[0][1], keys[1][1], v2], dim=2)
+    expected = attend(q[:, :, source[0]], dense_k, dense_v, additive_mask(allowed[None], torch.float32))
+    assert torch.isfinite(out).all()
+    assert torch.allclose(out, expected, atol=1e-6)
 
 
 @pytest.fixture(scope="module")

@@ -57,7 +57,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--ttt-steps", type=int, default=7)
     p.add_argument("--draft-vocab", type=int, default=8192, help="eagle3 draft vocabulary size")
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch CPU threads (default: torch's choice); use 1 on a shared machine")
     args = p.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
 
     from eyas.models import DraftHead, Target, head_config_for
     from eyas.train.config import LossConfig

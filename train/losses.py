@@ -9,8 +9,9 @@ EAGLE-3 training-time test (TTT), K unrolled steps as inference drafts them:
   step 0 at index t: token ids[t+1], hidden = fuse(target features at t), position t
   step i:            token ids[t+1+i] (teacher forcing), hidden = the head's own step i-1 output at t,
                      position t+i; it predicts token t+2+i from the target logits at t+1+i.
-  The step-i query at t attends to step-0 keys at indices <= t and to its own earlier steps' keys at
-  index t only, i.e. mask [T, (i+1)T] = [causal | eye | ... | eye] over a HeadCache grown per step.
+  The step-i query at t attends to step-0 keys at indices <= t and to its own steps' keys 1..i at
+  index t only, i.e. mask [T, (i+1)T] = [causal | eye | ... | eye]; the TTTCache scores the eye
+  blocks as elementwise products instead of dense [T, T] blocks.
   Loss = sum_i step_decay**i * soft CE against the target distribution restricted to the draft vocab
   (gathered through draft_to_target and renormalised).
 
@@ -37,6 +38,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from eyas.models import DraftHead
+from eyas.models.layers import TTTCache
 
 from .config import LossConfig
 
@@ -59,20 +61,6 @@ def feature_noise(hidden: torch.Tensor, scale: float) -> torch.Tensor:
     if scale <= 0:
         return hidden
     return hidden + (torch.rand_like(hidden) - 0.5) * (scale * 512 / hidden.shape[1])
-
-
-def ttt_mask(query_index: torch.Tensor, key_index: list[torch.Tensor], length: int) -> torch.Tensor:
-    """[B, M, length + sum K_j] bool for one TTT step over a cache of step-0 keys and K_j keys per later step.
-
-    query_index [B, M]: the sequence index t of each query row; key_index: per step j >= 1 (this step
-    included, its keys are cached before attention) [B, K_j], the index of each cached key. -1 marks
-    padding rows. A query at t sees step-0 keys at indices <= t and, in each later step, only the key
-    at its own index. Padding queries see step-0 key 0 (a finite softmax); no query sees a padding key.
-    Right padding of the sequence needs no extra term: a real query only sees indices <= itself, all real.
-    """
-    q = query_index[:, :, None]
-    causal = torch.arange(length, device=q.device) <= q.clamp(min=0)
-    return torch.cat([causal] + [(k[:, None, :] == q) & (k[:, None, :] >= 0) for k in key_index], dim=-1)
 
 
 def _rows(active: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -135,20 +123,20 @@ def eagle3_ttt_loss(head: DraftHead, input_ids: torch.Tensor, valid: torch.Tenso
     needed = carries.flip(0).cumsum(0, dtype=torch.int32).flip(0) > 0  # step i still leads to a loss
 
     hidden = feature_noise(head.fuse(target_features[:, :n]), config.feature_noise)  # [B, n, H]
-    cache = head.new_cache()
-    index = torch.arange(n, device=input_ids.device).expand(b, -1)  # step 0: every index, causal (mask None)
-    rank, mask, key_index = index, None, []
+    cache = TTTCache(head.config.num_layers)
+    index = torch.arange(n, device=input_ids.device).expand(b, -1)  # step 0: every index, causal
+    rank = index
     picked, rows = [], []  # per step: hidden [P_i, H] of the rows with loss there, their teacher rows [P_i]
     for i in range(steps):
         if i > 0:  # keep the rows that still lead to a loss; feed back their previous-step hidden
-            index, next_rank = _rows(needed[i])
-            hidden = _take(hidden, _take(rank, index.clamp(min=0)).clamp(min=0))
+            index, next_rank = _rows(needed[i])  # [B, M]
+            source = _take(rank, index.clamp(min=0)).clamp(min=0)  # [B, M] row of each in step i-1
+            hidden = _take(hidden, source)
+            cache.next_step(index, source)
             rank = next_rank
-            key_index.append(index)
-            mask = ttt_mask(index, key_index, n)
         at = index.clamp(min=0)
         ids = input_ids.gather(1, (at + 1 + i).clamp(max=t - 1))  # teacher forcing: token t+1+i
-        hidden = head(ids, hidden, at + i, mask, cache, logits=False).hidden  # [B, M, H]
+        hidden = head(ids, hidden, at + i, None, cache, logits=False).hidden  # [B, M, H]
         sel = _take(carries[i], at) & (index >= 0)  # [B, M] rows with loss at this step
         picked.append(hidden[sel])
         rows.append(_take(teacher_row, (at + 1 + i).clamp(max=t - 1))[sel])
