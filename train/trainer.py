@@ -17,7 +17,6 @@ import json
 import math
 import os
 import resource
-import signal
 import time
 from pathlib import Path
 from typing import Any
@@ -25,6 +24,7 @@ from typing import Any
 import torch
 
 from eyas.models import DraftHead, Target, head_config_for
+from eyas.models.signals import GracefulStop
 
 from . import checkpoint
 from .config import RunConfig, dump_config
@@ -156,7 +156,7 @@ class Trainer:
         self.step, self.consumed, self.tokens_seen = 0, 0, 0
         self.stream = ExampleStream(self.train_set, c.seed)
         self.pad_id = self.target.tokenizer.pad_token_id if self.target.tokenizer.pad_token_id is not None else 0
-        self._stop_requested = False
+        self._stop = GracefulStop(self.log, "saving a checkpoint after this step, then exiting")
         self._resume()
         if acc.is_main_process:
             self.out.mkdir(parents=True, exist_ok=True)
@@ -207,7 +207,7 @@ class Trainer:
 
     def _sync_flags(self, nonfinite: bool) -> tuple[bool, bool]:
         """All ranks agree on (nonfinite loss somewhere, stop requested somewhere)."""
-        flags = torch.tensor([float(nonfinite), float(self._stop_requested)], device=self.accelerator.device)
+        flags = torch.tensor([float(nonfinite), float(bool(self._stop))], device=self.accelerator.device)
         flags = self.accelerator.reduce(flags, "sum")
         return bool(flags[0] > 0), bool(flags[1] > 0)
 
@@ -217,13 +217,12 @@ class Trainer:
         from tqdm.auto import tqdm
 
         acc, c = self.accelerator, self.config
-        previous = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
         bar = tqdm(total=self.total_steps, initial=self.step, disable=not acc.is_local_main_process,
                    desc="training", dynamic_ncols=True)
         window: dict[str, float] = {}
         window_tokens, window_start = 0, time.perf_counter()
         stopped = False
-        try:
+        with self._stop, contextlib.closing(bar):
             if c.logging.eval_every and self.step == 0:
                 self.evaluate()  # the baseline of the held-out acceptance curve
             self.model.train()
@@ -265,10 +264,6 @@ class Trainer:
                 if stop:  # agreed by all ranks, so all save and leave together
                     stopped = True
                     break
-        finally:
-            bar.close()
-            for s, handler in previous.items():
-                signal.signal(s, handler)
         if stopped:
             if self.step % c.checkpoint.every:
                 self.save()
@@ -280,12 +275,6 @@ class Trainer:
         result = self.evaluate()
         self.save_final()
         return result
-
-    def _on_signal(self, signum: int, frame) -> None:
-        if self._stop_requested:  # a second Ctrl-C aborts at once
-            raise KeyboardInterrupt
-        self._stop_requested = True
-        self.log(f"received {signal.Signals(signum).name}: saving a checkpoint after this step, then exiting")
 
     def _log_window(self, window: dict[str, float], tokens: int, elapsed: float) -> dict[str, float]:
         """Reduce the window's sums over processes, log them, append to metrics.jsonl."""
