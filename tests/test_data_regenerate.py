@@ -4,6 +4,8 @@ the hidden-state cache it writes equals `cache_hidden` over its output, also acr
 from __future__ import annotations
 
 import json
+import os
+import signal
 
 import datasets
 import pytest
@@ -36,6 +38,26 @@ def run(target, batch_size, layer_ids=None, prefill_tokens=4096, **cfg):
                        batch_size=batch_size, layer_ids=layer_ids, eos_ids=EOS, progress=False,
                        prefill_tokens=prefill_tokens, on_done=lambda job: done.__setitem__(job.id, job))
     return done, stats
+
+
+def at_nth_done(n, action):
+    """(on_done callback, ids it has seen): it records finished ids and calls action() at the n-th."""
+    seen = []
+
+    def on_done(job):
+        seen.append(job.id)
+        if len(seen) == n:
+            action()
+
+    return on_done, seen
+
+
+def kill():  # as if the process died: nothing after this point runs
+    raise KeyboardInterrupt
+
+
+def ctrl_c():
+    os.kill(os.getpid(), signal.SIGINT)
 
 
 def test_batched_greedy_equals_one_at_a_time():
@@ -88,13 +110,7 @@ def test_killed_and_resumed_equals_uninterrupted(tmp_path):
     cfg = GenerationConfig(max_new_tokens=10, temperature=0.8, seed=3)
     regenerate_jsonl(target, ds, tmp_path / "full.jsonl", cfg, batch_size=3, eos_ids=EOS, progress=False)
 
-    seen = []
-
-    def kill_after_three(job):
-        seen.append(job.id)
-        if len(seen) == 3:
-            raise KeyboardInterrupt
-
+    kill_after_three, seen = at_nth_done(3, kill)
     with pytest.raises(KeyboardInterrupt):
         regenerate_jsonl(target, ds, tmp_path / "resumed.jsonl", cfg, batch_size=3, eos_ids=EOS, progress=False,
                          on_done=kill_after_three)
@@ -152,16 +168,9 @@ def test_killed_and_resumed_with_cache_equals_uninterrupted(tmp_path):
     kw = dict(batch_size=3, eos_ids=EOS, progress=False, shard_examples=2)
     regenerate_jsonl(target, ds, tmp_path / "full.jsonl", cfg, cache_hidden=tmp_path / "full", **kw)
 
-    seen = []
-
-    def kill_after_five(job):
-        seen.append(job.id)
-        if len(seen) == 5:
-            raise KeyboardInterrupt
-
     with pytest.raises(KeyboardInterrupt):
         regenerate_jsonl(target, ds, tmp_path / "resumed.jsonl", cfg, cache_hidden=tmp_path / "resumed",
-                         on_done=kill_after_five, **kw)
+                         on_done=at_nth_done(5, kill)[0], **kw)
     in_shards = [i for ids, _ in stored_shards(tmp_path / "resumed") for i in ids]
     assert len(in_shards) == 4  # two shards of two; the fifth conversation was only buffered
     lines = (tmp_path / "resumed.jsonl").read_text().splitlines()
@@ -183,3 +192,64 @@ def test_killed_and_resumed_with_cache_equals_uninterrupted(tmp_path):
             torch.testing.assert_close(got[i][k].float(), want[i][k].float(), rtol=2e-2, atol=2e-2)
     with pytest.raises(ValueError, match="not in the hidden-state cache"):
         regenerate_jsonl(target, ds, tmp_path / "full.jsonl", cfg, cache_hidden=tmp_path / "other", **kw)
+
+
+def test_ctrl_c_stores_the_finished_and_a_rerun_with_a_larger_limit_extends(tmp_path):
+    target = tiny_target()
+    ds = datasets.Dataset.from_dict({"messages": conversations(), "problem": [""] * 5 + ["empty", ""]})
+    cfg = GenerationConfig(max_new_tokens=10, temperature=0.8, seed=3)
+    kw = dict(batch_size=3, eos_ids=EOS, progress=False, shard_examples=3)
+    regenerate_jsonl(target, ds, tmp_path / "full.jsonl", cfg, cache_hidden=tmp_path / "full", **kw)
+
+    first5 = ds.select(range(5))  # `--limit 5`
+    handlers = [signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)]
+    on_done, seen = at_nth_done(1, ctrl_c)
+    stats = regenerate_jsonl(target, first5, tmp_path / "out.jsonl", cfg, cache_hidden=tmp_path / "c", on_done=on_done,
+                             **kw)
+    assert [signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)] == handlers  # restored
+    assert stats.stopped_by == signal.SIGINT and stats.conversations == len(seen) < 5
+    stored = [json.loads(x)["id"] for x in (tmp_path / "out.jsonl").read_text().splitlines()]
+    assert sorted(stored) == sorted(seen) and stats.stored == len(seen)  # every finished one, nothing in flight
+    assert sorted(cache_rows(tmp_path / "c", target)) == sorted(seen)  # readable: the index says complete
+
+    repeated = []
+    stats = regenerate_jsonl(target, first5, tmp_path / "out.jsonl", cfg, cache_hidden=tmp_path / "c",
+                             on_done=repeated.append, **kw)  # the same command continues
+    assert stats.stopped_by is None and stats.stored == 5
+    assert sorted(j.id for j in repeated) == sorted(set(range(5)) - set(seen))
+    regenerate_jsonl(target, ds, tmp_path / "out.jsonl", cfg, cache_hidden=tmp_path / "c", **kw)  # a larger limit
+    full = sorted((tmp_path / "full.jsonl").read_text().splitlines())
+    assert sorted((tmp_path / "out.jsonl").read_text().splitlines()) == full
+    want, got = cache_rows(tmp_path / "full", target), cache_rows(tmp_path / "c", target)
+    assert sorted(got) == sorted(want) == [0, 1, 2, 3, 4, 6]
+    for i in want:
+        assert torch.equal(got[i]["input_ids"], want[i]["input_ids"]) and torch.equal(got[i]["loss_mask"], want[i]["loss_mask"])
+        for k in ("hidden", "features"):  # bf16 storage of fp32 states from different batch compositions
+            torch.testing.assert_close(got[i][k].float(), want[i][k].float(), rtol=2e-2, atol=2e-2)
+
+
+def test_a_second_ctrl_c_aborts_at_once(tmp_path):
+    target = tiny_target()
+    ds = datasets.Dataset.from_dict({"messages": conversations(), "problem": [""] * 7})
+    handlers = [signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)]
+    on_done, seen = at_nth_done(2, lambda: (ctrl_c(), ctrl_c()))
+    with pytest.raises(KeyboardInterrupt):
+        regenerate_jsonl(target, ds, tmp_path / "out.jsonl", GenerationConfig(max_new_tokens=10), batch_size=3,
+                         eos_ids=EOS, progress=False, on_done=on_done)
+    assert [signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)] == handlers
+    assert len((tmp_path / "out.jsonl").read_text().splitlines()) == 2  # nothing after the abort
+
+
+def test_too_long_prompts_are_counted_as_skipped():
+    target = tiny_target()
+    convs = conversations()
+    lengths = [len(target.tokenizer.apply_chat_template(c[: next(i for i, m in enumerate(c) if m["role"] == "assistant")],
+                                                        tokenize=True, add_generation_prompt=True)["input_ids"])
+               for c in convs]
+    limit = sorted(lengths)[3]  # the first prompts of the 3 longest-or-equal do not fit
+    too_long = sum(n >= limit for n in lengths)
+    done = {}
+    stats = regenerate(target, enumerate(convs), GenerationConfig(max_new_tokens=4, max_length=limit), batch_size=3,
+                       eos_ids=EOS, progress=False, on_done=lambda job: done.__setitem__(job.id, job))
+    assert stats.skipped == {"first prompt reaches max_length": too_long} and 0 < too_long < 7
+    assert stats.conversations == 7 - too_long == sum(bool(j.out) for j in done.values())
