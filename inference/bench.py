@@ -219,7 +219,7 @@ def _run(target, head, questions: list[Question], max_new_tokens: int, temperatu
         bar.set_postfix_str(_running(rows))
 
     tree = asdict(gen.options)
-    if gen.plan is not None:  # record what "auto" tuned the tree to on this machine
+    if gen.plan is not None:  # what "auto" planned last on this machine (it re-plans every cycle)
         tree.update(total_tokens_tuned=gen.plan.total_tokens, depth_tuned=gen.plan.depth,
                     expected_tau_tuned=gen.plan.expected_tokens)
     report = {"settings": settings(target, head, tree=tree, dtype=dtype, max_new_tokens=max_new_tokens,
@@ -290,6 +290,8 @@ def _row(q: Question, ids: list[int], done: dict[str, Any], sampling: bool) -> d
         "cycles": len(stats.accepted),
         "tau": sum(stats.accepted) / len(stats.accepted) if stats.accepted else 0.0,
         "accepted": list(stats.accepted),
+        "drafted": list(stats.drafted),
+        "depths": list(stats.depths),
         "exact": None if sampling else list(res.tokens) == base_tokens,
     }
     if "prompt_lookup" in done:

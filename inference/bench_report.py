@@ -4,8 +4,10 @@ Every summary is recomputed from the rows alone, so a report.json can be re-summ
 merged later. Conventions:
 - tau: tokens gained per target verify forward (accepted drafts + the bonus token), pooled
   over all cycles of all questions.
-- accept_rate_per_position[k]: among cycles that accepted at least k drafts, the fraction
-  that accepted at least k+1 (None where no cycle reached position k).
+- accept_rate_per_position[k]: among cycles that drafted position k+1 and accepted at least k
+  drafts, the fraction that accepted at least k+1 (None where no cycle reached position k).
+  Cycles of plain decoding (the planner found no tree worth drafting) draft nothing, so they
+  count in tau (one token each) but not here; plain_cycle_fraction says how many there were.
 - speedup: baseline time / eyas time over the same questions. When both produced the same
   number of tokens for every question (greedy) that is a ratio of times for the same tokens
   (`speedup_basis: "time"`); otherwise (sampling, or a mismatch) it is the ratio of tokens/s
@@ -32,7 +34,7 @@ def summarize(rows: Sequence[dict[str, Any]], sampling: bool, depth: int | None 
     by_category: dict[str, list[dict[str, Any]]] = defaultdict(list)
     for r in rows:
         by_category[r["category"]].append(r)
-    positions = max([depth or 0] + [a - 1 for r in rows for a in r["accepted"]])
+    positions = max([depth or 0] + [a - 1 for r in rows for a in r["accepted"]] + [d for r in rows for d in r.get("depths", ())])
     return {
         "overall": _summary(rows, sampling, positions),
         "per_category": {c: _summary(rs, sampling, positions) for c, rs in by_category.items()},
@@ -42,6 +44,9 @@ def summarize(rows: Sequence[dict[str, Any]], sampling: bool, depth: int | None 
 
 def _summary(rows: Sequence[dict[str, Any]], sampling: bool, positions: int) -> dict[str, Any]:
     accepted = [a for r in rows for a in r["accepted"]]
+    # rows from before per-cycle depths were recorded: every cycle drafted as deep as `positions`
+    depths = [d for r in rows for d in r.get("depths", [positions] * len(r["accepted"]))]
+    drafted = [n for r in rows for n in r.get("drafted", ())]
     base_tokens, base_time = _total(rows, "baseline_tokens"), _total(rows, "baseline_time_s")
     spec_tokens, spec_time = _total(rows, "spec_tokens"), _total(rows, "spec_time_s")
     engine_time = _total(rows, "engine_time_s")
@@ -50,7 +55,9 @@ def _summary(rows: Sequence[dict[str, Any]], sampling: bool, positions: int) -> 
     s: dict[str, Any] = {
         "questions": len(rows),
         "tau": sum(accepted) / len(accepted) if accepted else 0.0,
-        "accept_rate_per_position": accept_rate_per_position(accepted, positions),
+        "accept_rate_per_position": accept_rate_per_position(accepted, positions, depths),
+        "plain_cycle_fraction": _ratio(sum(d == 0 for d in depths), len(depths)),
+        "mean_draft_nodes": _ratio(sum(drafted), sum(n > 0 for n in drafted)),  # per drafting cycle
         "baseline_tokens": base_tokens, "spec_tokens": spec_tokens,
         "baseline_time_s": base_time, "spec_time_s": spec_time,
         "baseline_tokens_per_s": _ratio(base_tokens, base_time),
@@ -77,13 +84,15 @@ def _summary(rows: Sequence[dict[str, Any]], sampling: bool, positions: int) -> 
     return s
 
 
-def accept_rate_per_position(accepted: Sequence[int], positions: int) -> list[float | None]:
-    """accepted: tokens gained per cycle (drafts + 1 bonus). Entry k: P(>= k+1 drafts | >= k drafts)."""
-    drafts = [a - 1 for a in accepted]
+def accept_rate_per_position(accepted: Sequence[int], positions: int,
+                             depths: Sequence[int] | None = None) -> list[float | None]:
+    """accepted: tokens gained per cycle (drafts + 1 bonus); depths: each cycle's draft tree depth (None: all
+    `positions` deep). Entry k: P(>= k+1 drafts | >= k drafts), over cycles that drafted position k+1."""
+    depths = depths if depths is not None else [positions] * len(accepted)
     rates: list[float | None] = []
     for k in range(positions):
-        reached = sum(d >= k for d in drafts)
-        rates.append(sum(d >= k + 1 for d in drafts) / reached if reached else None)
+        reached = [a - 1 > k for a, d in zip(accepted, depths) if d > k and a - 1 >= k]
+        rates.append(sum(reached) / len(reached) if reached else None)
     return rates
 
 
@@ -104,7 +113,7 @@ def _speedup(base_tokens: float, base_time: float, tokens: float, time: float, s
 def format_table(report: dict[str, Any]) -> str:
     """Per category then overall: tau, tokens/s, speedups, time shares, exactness."""
     lines = [("category", "n", "tau", "base tok/s", "eyas tok/s", "speedup", "lookup x", "draft %", "overhead %",
-              "exact")]
+              "plain %", "exact")]
     groups = sorted(report["per_category"].items()) + [("overall", report["overall"])]
     for name, s in groups:
         lookup = s.get("prompt_lookup_speedup")
@@ -112,7 +121,8 @@ def format_table(report: dict[str, Any]) -> str:
         lines.append((name, str(s["questions"]), f"{s['tau']:.2f}", f"{s['baseline_tokens_per_s']:.1f}",
                       f"{s['spec_tokens_per_s']:.1f}", f"{s['speedup']:.2f}x",
                       "-" if lookup is None else f"{lookup:.2f}x", f"{100 * s['draft_time_fraction']:.1f}",
-                      f"{100 * s['engine_overhead_fraction']:.1f}", "-" if exact is None else f"{exact:.2f}"))
+                      f"{100 * s['engine_overhead_fraction']:.1f}", f"{100 * s['plain_cycle_fraction']:.0f}",
+                      "-" if exact is None else f"{exact:.2f}"))
     widths = [max(len(line[i]) for line in lines) for i in range(len(lines[0]))]
     out = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(line, widths)))
            for line in lines]

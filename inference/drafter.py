@@ -72,6 +72,11 @@ class DraftContext:
         """Only batch rows `index` [B']."""
         return DraftContext(self.tokens[index], self.features[index], self.positions[index], self.valid[index])
 
+    def then(self, later: "DraftContext") -> "DraftContext":
+        """This context followed by a later one (the head skipped a cycle: it catches up on both at once)."""
+        return DraftContext(torch.cat([self.tokens, later.tokens], 1), torch.cat([self.features, later.features], 1),
+                            torch.cat([self.positions, later.positions], 1), later.valid)
+
 
 class Drafter(Protocol):
     def draft(self, ctx: DraftContext) -> DraftTree:

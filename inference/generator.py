@@ -20,7 +20,7 @@ from eyas.models import DraftHead, Target
 
 from .acceptance import Sampling, Verifier, accept, target_tokens, verify
 from .drafter import DraftContext, Drafter, DynamicExpansion, HeadDrafter, TreeOptions
-from .tree import tree_attention
+from .tree import DraftTree, tree_attention
 
 Prompt = Union[Sequence[int], torch.Tensor, str, Sequence[dict]]
 
@@ -32,6 +32,8 @@ class GenerationStats:
     target_time_s: float = 0.0  # target forwards: prefill + verifies
     total_time_s: float = 0.0  # the whole call; total - draft - target = engine overhead
     prefill_time_s: float = 0.0  # part of target_time_s spent on the prompt
+    drafted: list[int] = field(default_factory=list)  # draft nodes verified per cycle (0: plain decoding)
+    depths: list[int] = field(default_factory=list)  # draft tree depth per cycle (0: plain decoding)
 
     @property
     def mean_accepted(self) -> float:
@@ -80,8 +82,7 @@ class SpeculativeGenerator:
         """`drafter` replaces the head drafter (tests use an oracle); `verifier` the acceptance rule (tests bias it)."""
         self.target, self.head = target, head
         self.options = options or TreeOptions()
-        self.total_tokens = self.options.total_tokens  # "auto" until tuned on the first generate
-        self.plan = None  # tuning.TreePlan once "auto" is tuned
+        self.planner = None  # tuning.Planner once "auto" is tuned: re-plans the tree every cycle
         self.drafter = drafter or HeadDrafter(head, self.options.expansion())
         self.verifier = verifier
         self.layer_ids = tuple(head.config.fused_layer_ids)
@@ -100,6 +101,11 @@ class SpeculativeGenerator:
         head.bind(target)
         head.to(device=target.device, dtype=target.dtype)
         return cls(target, head, TreeOptions(**tree_options))
+
+    @property
+    def plan(self):
+        """The tuned tree plan now in force (tuning.TreePlan), or None before "auto" is tuned / without it."""
+        return self.planner.plan if self.planner is not None else None
 
     # ---- public API ---------------------------------------------------------------------------
     def generate(self, prompt: Prompt, **kw) -> GenerationResult:
@@ -190,7 +196,8 @@ class SpeculativeGenerator:
                            positions=pos, valid=valid)
         next_pos = pos[:, -1] + 1
         self.drafter.reset()
-        if self.total_tokens == "auto" and self.options.kind == "dynamic" and isinstance(self.drafter, HeadDrafter):
+        if (self.planner is None and self.options.total_tokens == "auto" and self.options.kind == "dynamic"
+                and isinstance(self.drafter, HeadDrafter)):
             self._tune(cache, ctx, next_pos)
         for r, tok in zip(rows, root.tolist()):
             r.add([tok])
@@ -204,8 +211,14 @@ class SpeculativeGenerator:
                 self.drafter.keep_rows(idx)
                 ctx, next_pos = ctx.rows(idx), next_pos[idx]
                 valid, live, b = ctx.valid, [live[i] for i in keep], len(keep)
+            plan = self.planner.next() if self.planner is not None else None
             t0 = clock()
-            tree = self.drafter.draft(ctx)
+            if plan is not None and plan.plain:  # no tree is expected to pay: verify the root alone
+                tree = DraftTree.root_only(ctx.tokens[:, -1])
+            else:
+                if plan is not None:
+                    self.drafter.expansion = self.options.expansion(plan.total_tokens, plan.depth)
+                tree = self.drafter.draft(ctx)
             t1 = clock()
             anc = tree.ancestors()
             past = valid.shape[1]
@@ -220,14 +233,21 @@ class SpeculativeGenerator:
             after = torch.cat([path_tokens[:, 1:], acc.bonus[:, None]], 1)
             offset = torch.arange(a, device=dev) - (a - acc.length)[:, None]  # < 0 on front padding
             feats = self._features(out)
-            ctx = DraftContext(tokens=after, features=feats.gather(1, acc.path[..., None].expand(-1, -1, feats.shape[-1])),
+            new = DraftContext(tokens=after, features=feats.gather(1, acc.path[..., None].expand(-1, -1, feats.shape[-1])),
                                positions=next_pos[:, None] + offset.clamp(min=0), valid=torch.cat([valid, offset >= 0], 1))
+            # after a plain cycle the head has not seen ctx yet: it catches up on both at the next draft
+            ctx = ctx.then(new) if tree.size == 1 else new
             valid = ctx.valid
             next_pos = next_pos + acc.length
-            lengths = acc.length.tolist()
+            lengths, depth = acc.length.tolist(), int(tree.depth.max())
+            if tree.size > 1 and self.planner is not None:
+                self.planner.observe(tree.scores[:, 1:].float().exp().cpu().numpy(), tree.depth[:, 1:].cpu().numpy(),
+                                     acc.length.cpu().numpy() - 1)
             for j, toks, n in zip(live, after.tolist(), lengths):
                 rows[j].add(toks[len(toks) - n:])
                 stats[j].accepted.append(n)
+                stats[j].drafted.append(tree.size - 1)
+                stats[j].depths.append(depth)
                 stats[j].draft_time_s += t1 - t0
                 stats[j].target_time_s += t2 - t1
             yield
@@ -236,21 +256,19 @@ class SpeculativeGenerator:
             st.total_time_s = total
 
     def _tune(self, cache, ctx: DraftContext, next_pos: torch.Tensor) -> None:
-        """Time target forwards per size and one large draft tree, then fix depth and total_tokens."""
-        from .tuning import fit_cost, measure_target_cost, plan_tree
+        """Time target forwards per size and one large draft tree: the cost model and prior of the Planner."""
+        from .tuning import Planner, fit_cost, measure_target_cost
 
-        cost = fit_cost(measure_target_cost(self.target, cache, ctx.valid, next_pos))
+        costs = measure_target_cost(self.target, cache, ctx.valid, next_pos)
+        plain_s = costs.pop(1)
         depth = self.options.depth
         probe = HeadDrafter(self.head, DynamicExpansion(depth, self.options.top_k, total_tokens=1 << 30))
         probe.reset()
         t0 = time.perf_counter()
         tree = probe.draft(ctx)  # every candidate node, in creation order: same depth at the same index in every row
         step_s = (time.perf_counter() - t0) / depth
-        self.plan = plan_tree(tree.scores[:, 1:].float().exp().mean(0).cpu().numpy(), tree.depth[0, 1:].cpu().numpy(),
-                              cost, step_s, depth)
-        self.total_tokens = self.plan.total_tokens
-        self.drafter = HeadDrafter(self.head, self.options.expansion(self.plan.total_tokens, self.plan.depth))
-        self.drafter.reset()
+        self.planner = Planner(tree.scores[:, 1:].float().exp().mean(0).cpu().numpy(), tree.depth[0, 1:].cpu().numpy(),
+                               fit_cost(costs), step_s, plain_s, depth)
 
 
 class _Clock:

@@ -24,6 +24,12 @@ class DraftTree:
     def size(self) -> int:
         return self.tokens.shape[1]
 
+    @classmethod
+    def root_only(cls, root: torch.Tensor) -> "DraftTree":
+        """The tree without drafts (root [B]): verifying it is one step of plain decoding."""
+        zero = torch.zeros_like(root)[:, None]
+        return cls(tokens=root[:, None], parents=zero - 1, depth=zero, scores=zero.float())
+
     def ancestors(self) -> torch.Tensor:
         """[B, N, N] bool: node j is node i itself or one of its ancestors."""
         return ancestor_mask(self.parents, int(self.depth.max()))

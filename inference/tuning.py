@@ -8,7 +8,12 @@ is the (d, n) maximising tau / cost. On a CPU a forward's cost grows with its to
 idle parallel hardware to fill), so the best tree is small; on a GPU it is flat up to tens of tokens.
 
 The verify cost is fitted as a + b * tokens to timings at a few sizes: measured costs on a busy
-machine are noisy, and a two-parameter fit cannot reward a size for a lucky timing.
+machine are noisy, and a two-parameter fit cannot reward a size for a lucky timing. One-token
+forwards are timed apart (CPU kernels for one row differ), because plain decoding is a candidate too:
+when no tree is expected to beat it, a cycle verifies the root alone and runs no draft.
+
+Confidences are only a prior. A weak head is overconfident, and acceptance moves with the text, so
+the Planner re-plans every cycle from the acceptance it observes (per-depth calibration, below).
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ from eyas.models import Target
 
 from .tree import tree_attention
 
-SIZES = (2, 4, 8, 16, 32)  # tokens per verify forward that are timed; a verify has at least 2
+SIZES = (1, 2, 4, 8, 16, 32)  # tokens per target forward that are timed: 1 = plain decoding, a tree verify >= 2
 
 
 @torch.no_grad()
@@ -68,7 +73,7 @@ def fit_cost(costs: dict[int, float]) -> tuple[float, float]:
 
 @dataclass(frozen=True)
 class TreePlan:
-    depth: int  # draft steps per cycle
+    depth: int  # draft steps per cycle; 0 = plain decoding (verify the root alone, no draft)
     total_tokens: int  # draft nodes verified per cycle
     expected_tokens: float  # tau: 1 + the summed acceptance probability of those nodes
     cycle_s: float  # draft(depth) + verify(total_tokens + 1)
@@ -77,17 +82,23 @@ class TreePlan:
     def tokens_per_s(self) -> float:
         return self.expected_tokens / self.cycle_s
 
+    @property
+    def plain(self) -> bool:
+        return self.depth == 0
+
 
 def plan_tree(accept_prob: np.ndarray, node_depth: np.ndarray, verify_cost: tuple[float, float],
-              step_s: float, max_depth: int, max_nodes: int | None = None) -> TreePlan:
+              step_s: float, max_depth: int, max_nodes: int | None = None, plain_s: float | None = None) -> TreePlan:
     """The (depth, node budget) with the most expected tokens per second.
 
     accept_prob [M]: each candidate node's probability of being accepted (its path's), node_depth [M] (1 = a
     child of the root); verify_cost (a, b): a forward over k tokens costs a + b k seconds; step_s: one draft
     step (the drafter runs `depth` head forwards per cycle, the first one the catch-up on accepted tokens).
+    plain_s: seconds of a one-token forward; when given, plain decoding (depth 0: one token per forward,
+    no draft) competes too.
     """
     a, b = verify_cost
-    best: TreePlan | None = None
+    best = TreePlan(0, 0, 1.0, plain_s) if plain_s is not None else None
     for d in range(1, max_depth + 1):
         p = np.sort(accept_prob[node_depth <= d])[::-1][:max_nodes]
         if len(p) == 0:
@@ -108,3 +119,71 @@ def chain_candidates(rates: Sequence[float]) -> tuple[np.ndarray, np.ndarray]:
     """A chain from per-position acceptance rates (P(draft j accepted | j-1 were)): (accept_prob, depth)."""
     p = np.cumprod(np.asarray(rates, dtype=float))
     return p, np.arange(1, len(p) + 1)
+
+
+class Planner:
+    """Each cycle's tree, re-planned from the acceptance observed while generating.
+
+    The prior is one probe tree's confidences: conf [M] (path probability of each candidate node) at
+    node_depth [M]. Per depth d the planner keeps decayed sums of what was predicted (the verified nodes'
+    confidences at depth d: the modelled chance that the accepted path reaches d) and what happened (it
+    did or not), and scales the probe's depth-d confidences by calibration c_d = (obs_d + w c_{d-1}) /
+    (pred_d + w) -- a depth not yet observed inherits its parent's c, so deeper trees get tried.
+    Decay lets the plan follow the text (code, lists and prose accept differently).
+
+    Plain decoding wins when no tree pays for its draft and wider verify; then the cycle verifies the root
+    alone. Every `probe` plain cycles the best tree is verified once anyway, to keep measuring; the
+    interval doubles (to `max_probe`) while plain keeps winning.
+    """
+
+    def __init__(self, conf: np.ndarray, node_depth: np.ndarray, verify_cost: tuple[float, float], step_s: float,
+                 plain_s: float, max_depth: int, decay: float = 0.9, weight: float = 1.0, max_probe: int = 64) -> None:
+        self.conf, self.node_depth = np.asarray(conf, dtype=float), np.asarray(node_depth)
+        self.verify_cost, self.step_s, self.plain_s, self.max_depth = verify_cost, step_s, plain_s, max_depth
+        self.decay, self.weight, self.max_probe = decay, weight, max_probe
+        self.pred = np.zeros(max_depth)  # decayed sums per depth (index d-1)
+        self.obs = np.zeros(max_depth)
+        self.probe, self.since_probe = 2, 0
+        self.plan = self._plan(plain=True)
+
+    def calibration(self) -> np.ndarray:
+        """c [max_depth]: observed / predicted acceptance per depth, shrunk toward the depth above."""
+        c, above = np.ones(self.max_depth), 1.0
+        for d in range(self.max_depth):
+            c[d] = above = (self.obs[d] + self.weight * above) / (self.pred[d] + self.weight)
+        return c
+
+    def _plan(self, plain: bool) -> TreePlan:
+        p = np.minimum(1.0, self.conf * self.calibration()[self.node_depth - 1])
+        return plan_tree(p, self.node_depth, self.verify_cost, self.step_s, self.max_depth,
+                         plain_s=self.plain_s if plain else None)
+
+    def next(self) -> TreePlan:
+        """The plan for the coming cycle: the current one, or a probe tree when plain decoding has run a while."""
+        if not self.plan.plain:
+            return self.plan
+        self.since_probe += 1
+        if self.since_probe < self.probe:
+            return self.plan
+        self.since_probe = 0
+        return self._plan(plain=False)
+
+    def observe(self, node_conf: np.ndarray, node_depth: np.ndarray, accepted: np.ndarray) -> None:
+        """One verified cycle: node_conf [B, N] draft path probabilities of its draft nodes at node_depth
+        [B, N] (1 = child of the root), accepted [B] draft tokens accepted per row."""
+        depth = int(node_depth.max(initial=0))
+        if depth == 0:
+            return  # plain cycle: nothing about the draft to learn
+        d = np.arange(1, depth + 1)
+        pred = np.stack([(node_conf * (node_depth == k)).sum(1) for k in d], 1).mean(0)  # [depth]
+        obs = (accepted[:, None] >= d).mean(0)
+        self.pred *= self.decay
+        self.obs *= self.decay
+        self.pred[:depth] += pred
+        self.obs[:depth] += obs
+        was_plain = self.plan.plain
+        self.plan = self._plan(plain=True)
+        if self.plan.plain and was_plain:
+            self.probe = min(2 * self.probe, self.max_probe)  # the probe confirmed plain: look less often
+        elif not self.plan.plain:
+            self.probe = 2

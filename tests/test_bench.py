@@ -117,6 +117,8 @@ def test_missing_or_empty_file_is_a_clear_error(tmp_path):
 def test_accept_rate_per_position_is_conditional_on_reaching_the_position():
     # drafts accepted per cycle: 0, 1, 2, 3, 1
     assert accept_rate_per_position([1, 2, 3, 4, 2], 5) == [4 / 5, 2 / 4, 1 / 2, 0 / 1, None]
+    # plain cycles (depth 0) and positions a cycle did not draft do not count
+    assert accept_rate_per_position([1, 2, 1, 3, 2], 3, [0, 1, 0, 3, 3]) == [3 / 3, 1 / 2, 0 / 1]
 
 
 def test_cli_writes_report_and_prints_table(tmp_path, saved_pair, capsys):

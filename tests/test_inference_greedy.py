@@ -6,7 +6,7 @@ import torch
 
 from eyas.inference import SpeculativeGenerator, TreeOptions
 from eyas.inference.drafter import HeadDrafter
-from eyas.inference.tuning import chain_candidates, fit_cost, plan_tree
+from eyas.inference.tuning import Planner, chain_candidates, fit_cost, plan_tree
 from inference_fixtures import NO_EOS, PROMPTS, Oracle, always_accept_first_child, greedy, make_head
 from tiny import FIXTURES, tiny_target
 
@@ -150,10 +150,10 @@ def test_auto_total_tokens_tunes_once_and_stays_exact():
     target = tiny_target("mistral")
     gen = SpeculativeGenerator(target, make_head(target), TreeOptions(total_tokens="auto", top_k=4, depth=5))
     res = gen.generate(PROMPTS[2], max_new_tokens=10, **NO_EOS)
-    plan = gen.plan
-    assert 1 <= plan.depth <= 5 and 1 <= plan.total_tokens <= 4 + 4 * 4 * 4 and gen.total_tokens == plan.total_tokens
+    plan, planner = gen.plan, gen.planner
+    assert plan.plain or (1 <= plan.depth <= 5 and 1 <= plan.total_tokens <= 4 + 4 * 4 * 4)
     assert res.tokens == greedy(target, PROMPTS[2], 10)
-    assert gen.generate(PROMPTS[0], max_new_tokens=4).tokens and gen.plan is plan  # tuned once
+    assert gen.generate(PROMPTS[0], max_new_tokens=4).tokens and gen.planner is planner  # tuned once
 
 
 def test_plan_tree_trades_gain_against_cost():
@@ -169,6 +169,63 @@ def test_plan_tree_trades_gain_against_cost():
     by_depth = {k: (1 + p[:k].sum()) / (k * 0.05 + 1.0 + 0.1 * (k + 1)) for k in range(1, 5)}
     assert plan.depth == plan.total_tokens == max(by_depth, key=by_depth.get)
     assert plan.expected_tokens == pytest.approx(1 + p[:plan.depth].sum())
+
+
+def test_plan_tree_prefers_plain_decoding_when_no_tree_pays():
+    depth = np.repeat(np.arange(1, 4), 4)
+    weak, sure = np.full(12, 0.05), np.ones(12)
+    assert plan_tree(weak, depth, (1.0, 0.1), 0.05, 3, plain_s=1.1).plain
+    plan = plan_tree(sure, depth, (1.0, 0.1), 0.05, 3, plain_s=1.1)
+    assert not plan.plain and plan.tokens_per_s > 1 / 1.1
+
+
+def test_planner_follows_observed_acceptance_and_probes_while_plain():
+    depth = np.repeat(np.arange(1, 4), 4)
+    conf = np.repeat([0.2, 0.1, 0.05], 4)  # per node; a level sums to at most 1, like real siblings
+    planner = Planner(conf, depth, (1.0, 0.1), 0.01, 1.1, 3)
+    assert not planner.plan.plain  # the head's confidence alone says a tree pays
+    drafted = planner.plan
+    node_conf, node_depth = conf[None, :drafted.total_tokens], depth[None, :drafted.total_tokens]
+    for _ in range(10):  # ...but nothing is ever accepted: plain decoding takes over
+        planner.observe(node_conf, node_depth, np.zeros(1))
+        if planner.plan.plain:
+            break
+    assert planner.plan.plain
+    gaps, since = [], 0
+    for _ in range(40):  # probes keep coming, further apart while they confirm plain
+        plan = planner.next()
+        since += 1
+        if not plan.plain:
+            gaps.append(since)
+            since = 0
+            planner.observe(node_conf, node_depth, np.zeros(1))
+    assert len(gaps) >= 3 and gaps == sorted(gaps) and gaps[-1] > gaps[0]
+    for _ in range(30):  # everything drafted is accepted: back to trees; the head proves underconfident
+        planner.observe(node_conf, node_depth, np.full(1, drafted.depth))
+    assert not planner.plan.plain and planner.calibration()[0] > 1
+
+
+def test_plain_cycles_keep_greedy_identity_and_the_head_catches_up():
+    """With plain decoding planned, the probes' catch-up covers every token since the last draft."""
+    target = tiny_target("llama")
+    head = make_head(target, "eagle3")
+    gen = SpeculativeGenerator(target, head, TreeOptions(total_tokens="auto", top_k=3, depth=3))
+    gen.generate(PROMPTS[1], max_new_tokens=4, **NO_EOS)  # tunes
+    # a tree verify costs ~10x a plain step here: plain decoding wins, probes still draft now and then
+    gen.planner = Planner(np.full(9, 0.3), np.repeat(np.arange(1, 4), 3), (1.0, 0.0), 0.0, 0.1, 3)
+    seen, inner = [], gen.drafter.draft
+
+    def draft(ctx):
+        seen.append(ctx)
+        tree = inner(ctx)
+        _check_scores(head, seen, tree)
+        return tree
+
+    gen.drafter.draft = draft
+    res = gen.generate(PROMPTS[0], max_new_tokens=24, **NO_EOS)
+    assert res.tokens == greedy(target, PROMPTS[0], 24)
+    assert res.stats.drafted.count(0) > len(seen) >= 2  # mostly plain, a few probes
+    assert min(c.tokens.shape[1] for c in seen[1:]) > 1  # each probe caught up on the plain cycles before it
 
 
 def test_fit_cost_is_affine_and_never_rewards_noise():
