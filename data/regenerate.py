@@ -7,7 +7,8 @@ b's tokens occupy its last lens[b] columns, a 2D padding mask hides the columns 
 and explicit position ids give every row its own positions. The cache is preallocated with
 headroom (a step writes one column in place, no per-step copy of the whole cache); columns no row
 needs any more are dropped from the left by moving a start index. Prompts that start in the same
-step are prefilled together (right-aligned, similar lengths grouped) and spliced into their rows.
+step are prefilled together (packed into bins, each token seeing only its own prompt) and spliced
+into their rows. Decode attention reads only each row's own columns (_row_attention).
 
 Hidden states come for free: every forward also returns the EAGLE features of the chosen layers
 and the final normed hidden state, so the states of the finished example (prompt prefill +
@@ -172,6 +173,9 @@ AttentionInterface.register(_ROW_ATTENTION, _row_attention)
 AttentionMaskInterface.register(_ROW_ATTENTION, sdpa_mask)  # the masks sdpa gets
 
 
+PACK_WIDTH = 256  # prefill bin width (tokens): attention span vs padding left in the bins
+
+
 class SlotBatch:
     """The shared right-aligned KV cache of the live slots and the per-row lengths."""
 
@@ -211,35 +215,49 @@ class SlotBatch:
         return order
 
     def prefill(self, rows: list[int], prompts: list[list[int]], layer_ids: Sequence[int]):
-        """Run `prompts` together, right-aligned, and splice each into its row.
+        """Run `prompts` packed together and splice each into its row.
 
-        Returns the TargetOutput [G, P, ...] of the group (P = longest prompt; prompt g is in the
-        last len(prompts[g]) columns; logits only for the last column).
+        Packing, not padding: prompts go (longest first, first fit) into bins of PACK_WIDTH tokens
+        (or the longest prompt), each token attending only to its own prompt, positions restarting
+        per prompt. Padding prompts to a common length wastes most of a prefill on chat prompts,
+        whose lengths vary a lot; a packed bin's extra attention span costs far less.
+        Returns (logits [G, V] after each prompt, per prompt (hidden [n, H], features [n, F] | None)).
         """
-        dev, g, p = self.target.device, len(prompts), max(map(len, prompts))
-        ids = torch.zeros(g, p, dtype=torch.long)
-        real = torch.zeros(g, p, dtype=torch.bool)
-        for i, x in enumerate(prompts):
-            ids[i, p - len(x):] = torch.tensor(x)
-            real[i, p - len(x):] = True
-        pos = (real.cumsum(1) - 1).clamp(min=0)
-        mask = None  # no padding: plain causal (the fastest attention path)
-        if not real.all():
-            # A padding column attends to itself only, so no query row is fully masked (NaN-free).
-            mask = (torch.ones(p, p, dtype=torch.bool).tril() & real[:, None, :]) | torch.eye(p, dtype=torch.bool)
-            mask = mask.to(dev)
+        dev = self.target.device
+        width = max(PACK_WIDTH, max(map(len, prompts)))
+        fill: list[int] = []  # tokens in each bin
+        place = [(0, 0)] * len(prompts)  # (bin, first column) of each prompt
+        for g in sorted(range(len(prompts)), key=lambda g: -len(prompts[g])):
+            b = next((b for b, used in enumerate(fill) if used + len(prompts[g]) <= width), len(fill))
+            if b == len(fill):
+                fill.append(0)
+            place[g] = (b, fill[b])
+            fill[b] += len(prompts[g])
+        t = max(fill)
+        ids = torch.zeros(len(fill), t, dtype=torch.long)
+        pos = torch.zeros(len(fill), t, dtype=torch.long)
+        seg = torch.full((len(fill), t), -1)  # prompt of each token; padding: -1 (sees itself at least)
+        for g, ((b, c), x) in enumerate(zip(place, prompts)):
+            ids[b, c: c + len(x)], pos[b, c: c + len(x)], seg[b, c: c + len(x)] = torch.tensor(x), torch.arange(len(x)), g
+        mask = None  # one prompt, no padding: plain causal (the fastest attention path)
+        if len(prompts) > 1 or len(prompts[0]) < t:
+            mask = ((seg[:, :, None] == seg[:, None, :]) & torch.ones(t, t, dtype=torch.bool).tril()).to(dev)
         own = self.target.new_cache()
-        out = self.target(ids.to(dev), position_ids=pos.to(dev), attention_mask=mask, cache=own,
-                          layer_ids=layer_ids, logits_to_keep=torch.full((g, 1), p - 1, device=dev))
+        out = self.target(ids.to(dev), position_ids=pos.to(dev), attention_mask=mask, cache=own, layer_ids=layer_ids,
+                          logits=False)
+        spans = [(b, c, c + len(x)) for (b, c), x in zip(place, prompts)]
+        last = torch.tensor([[b, e - 1] for b, _, e in spans], device=dev)
+        logits = self.target.logit_projection(out.hidden[last[:, 0], last[:, 1]])
         for l, o in zip(self.layers, own.layers):
             if l.kbuf is None:
                 l.allocate(len(self.lens), o.keys)
-            l.widen(p)
-            for i, (row, x) in enumerate(zip(rows, prompts)):
-                l.keys[row, :, -len(x):] = o.keys[i, :, p - len(x):]
-                l.values[row, :, -len(x):] = o.values[i, :, p - len(x):]
+            l.widen(max(map(len, prompts)))
+            for row, (b, c, e) in zip(rows, spans):
+                l.keys[row, :, c - e:] = o.keys[b, :, c:e]
+                l.values[row, :, c - e:] = o.values[b, :, c:e]
         self.lens[rows] = torch.tensor([len(x) for x in prompts], device=dev)
-        return out
+        states = [(out.hidden[b, c:e], None if out.features is None else out.features[b, c:e]) for b, c, e in spans]
+        return logits, states
 
     def step(self, tokens: torch.Tensor, layer_ids: Sequence[int]):
         """Feed tokens [B] (each at its row's next position); returns TargetOutput [B, 1, ...]."""
@@ -309,7 +327,7 @@ def regenerate(
     A conversation ends early (keeping the turns done) when a prompt would not fit max_length
     or an answer hits max_new_tokens without eos, since a cut answer cannot be continued.
     prefill_tokens: prompts that start in the same step are prefilled together, in groups of at
-    most this many (padded) tokens.
+    most this many tokens (a longer prompt goes alone).
     stop: checked before every step; once set, the in-flight conversations are dropped (on_done is
     not called for them) and stats.stopped_by says which signal stopped the run.
     """
@@ -380,20 +398,20 @@ def regenerate(
             job = queue.popleft()
 
     def refill(rows: list[int]) -> None:
-        """Give each of `rows` its next turn; the new prompts are prefilled in groups of similar length."""
-        todo = sorted(((r, ids) for r in rows if (ids := next_prompt(r)) is not None), key=lambda x: len(x[1]))
+        """Give each of `rows` its next turn; the new prompts are prefilled in groups of at most prefill_tokens."""
+        todo = [(r, ids) for r in rows if (ids := next_prompt(r)) is not None]
         i = 0
         while i < len(todo):
-            j = i + 1
-            while j < len(todo) and (j + 1 - i) * len(todo[j][1]) <= prefill_tokens:
+            j, tokens = i + 1, len(todo[i][1])
+            while j < len(todo) and tokens + len(todo[j][1]) <= prefill_tokens:
+                tokens += len(todo[j][1])
                 j += 1
             group = [r for r, _ in todo[i:j]]
-            out = batch.prefill(group, [ids for _, ids in todo[i:j]], lids)
+            logits, states = batch.prefill(group, [ids for _, ids in todo[i:j]], lids)
             if capture:
-                for g, (row, ids) in enumerate(todo[i:j]):
-                    n = len(ids)
-                    slots[row].states.append((out.hidden[g, -n:], None if out.features is None else out.features[g, -n:]))
-            choose(group, out.logits[:, -1])
+                for row, state in zip(group, states):
+                    slots[row].states.append(state)
+            choose(group, logits)
             i = j
 
     refill(list(range(rows)))
