@@ -89,29 +89,30 @@ class HeadCache:
 
 
 class TTTCache(HeadCache):
-    """Training-time test (EAGLE-3): step 0 at every sequence index, then steps i >= 1 at chosen rows.
+    """Training-time test (EAGLE-3): step 0 batched at every sequence index, then steps i >= 1 packed.
 
-    A step-i query at index t sees the step-0 keys at indices <= t and its own chain's keys of steps
-    1..i, all at index t. Stored as the dense [T, (i+1)T] mask [causal | eye | ...] those diagonal blocks
-    cost O(T^2) each for O(T) useful entries, so here the chain's keys are kept per query row,
-    [B, kv_heads, M, i, D], scored elementwise and merged with the causal step-0 block in one softmax.
+    A step-i query at index t sees the step-0 keys at indices <= t of its own batch element and its
+    own chain's keys of steps 1..i, all at index t. As a dense mask [T, (i+1)T] = [causal | eye | ...]
+    the eye blocks cost O(T^2) each for O(T) useful entries, so here the chain's keys are kept per
+    query row, [kv_heads, P, i, D], scored elementwise and merged with the causal step-0 block in
+    one softmax. Steps i >= 1 run as one packed sequence [1, P] of rows ordered by batch element, so
+    no compute goes to padding when batch elements keep different numbers of rows.
     """
 
     def __init__(self, num_layers: int) -> None:
         super().__init__(num_layers)
         self.chain_keys: list[torch.Tensor | None] = [None] * num_layers
         self.chain_values: list[torch.Tensor | None] = [None] * num_layers
-        self.query_index: torch.Tensor | None = None  # [B, M] sequence index of each row; None at step 0
+        self.query_index: torch.Tensor | None = None  # [P] sequence index t of each packed row; None at step 0
+        self.batch_sizes: list[int] = []  # packed rows per batch element, in order
 
-    def next_step(self, query_index: torch.Tensor, source: torch.Tensor) -> None:
-        """The next step runs at rows query_index [B, M] (index t, -1 = padding row, which sees step-0
-        key 0 and its own chain only, so stays finite); source [B, M]: each row's row in the previous step."""
-        self.query_index = query_index
+    def next_step(self, query_index: torch.Tensor, batch_sizes: list[int], keep: torch.Tensor) -> None:
+        """The next step runs at packed rows with index query_index [P], batch_sizes[b] of them in batch
+        element b; keep [P_prev] bool: which rows of the previous step continue (in order)."""
+        self.query_index, self.batch_sizes = query_index, batch_sizes
         for i, k in enumerate(self.chain_keys):
             if k is not None:
-                idx = source[:, None, :, None, None].expand(-1, k.shape[1], -1, *k.shape[3:])
-                self.chain_keys[i] = k.gather(2, idx)
-                self.chain_values[i] = self.chain_values[i].gather(2, idx)
+                self.chain_keys[i], self.chain_values[i] = k[:, keep], self.chain_values[i][:, keep]
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                mask: torch.Tensor | None) -> torch.Tensor:
@@ -119,21 +120,26 @@ class TTTCache(HeadCache):
             return super().attend(layer, q, k, v, mask)
         if mask is not None:
             raise ValueError("TTTCache builds its own mask; pass attention_mask=None")
-        # q [B, heads, M, D] -> [B, kv, rep, M, D]: GQA by broadcasting instead of repeating keys
-        b, heads, m, d = q.shape
+        # q [1, heads, P, D] -> [kv, rep, P, D]: GQA by broadcasting instead of repeating keys
+        _, heads, p, d = q.shape
         kv = k.shape[1]
-        q = q.reshape(b, kv, heads // kv, m, d) * d ** -0.5
-        chain_k = k[:, :, :, None] if self.chain_keys[layer] is None else torch.cat([self.chain_keys[layer], k[:, :, :, None]], 3)
-        chain_v = v[:, :, :, None] if self.chain_values[layer] is None else torch.cat([self.chain_values[layer], v[:, :, :, None]], 3)
-        self.chain_keys[layer], self.chain_values[layer] = chain_k, chain_v  # [B, kv, M, i, D]
-        keys, values = self.keys[layer][:, :, None], self.values[layer][:, :, None]  # [B, kv, 1, T, D]
-        causal = torch.arange(keys.shape[3], device=q.device) <= self.query_index.clamp(min=0)[:, :, None]  # [B, M, T]
-        scores = (q @ keys.transpose(-1, -2)).masked_fill(~causal[:, None, None], float("-inf"))  # [B, kv, rep, M, T]
-        chain = torch.einsum("bkrmd,bkmid->bkrmi", q, chain_k)  # [B, kv, rep, M, i]
-        p = torch.softmax(torch.cat([scores, chain], dim=-1), dim=-1)
-        t = keys.shape[3]
-        out = p[..., :t] @ values + torch.einsum("bkrmi,bkmid->bkrmd", p[..., t:], chain_v)
-        return out.reshape(b, heads, m, d)
+        q = q.reshape(kv, heads // kv, p, d) * d ** -0.5
+        new_k, new_v = k[0, :, :, None], v[0, :, :, None]  # [kv, P, 1, D]
+        old_k, old_v = self.chain_keys[layer], self.chain_values[layer]
+        chain_k = new_k if old_k is None else torch.cat([old_k, new_k], dim=2)  # [kv, P, i, D]
+        chain_v = new_v if old_v is None else torch.cat([old_v, new_v], dim=2)
+        self.chain_keys[layer], self.chain_values[layer] = chain_k, chain_v
+        keys, values = self.keys[layer], self.values[layer]  # step 0: [B, kv, T, D]
+        t = keys.shape[2]
+        segments = q.split(self.batch_sizes, dim=2)  # per batch element [kv, rep, P_b, D]
+        scores = torch.cat([qb @ keys[i, :, None].transpose(-1, -2) for i, qb in enumerate(segments)], dim=2)
+        causal = torch.arange(t, device=q.device) <= self.query_index[:, None]  # [P, T]
+        scores = scores.masked_fill(~causal, float("-inf"))  # [kv, rep, P, T]
+        chain = torch.einsum("krpd,kpid->krpi", q, chain_k)  # [kv, rep, P, i]
+        probs = torch.softmax(torch.cat([scores, chain], dim=-1), dim=-1)
+        step0 = torch.cat([pb @ values[i, :, None] for i, pb in enumerate(probs[..., :t].split(self.batch_sizes, dim=2))], dim=2)
+        out = step0 + torch.einsum("krpi,kpid->krpd", probs[..., t:], chain_v)  # [kv, rep, P, D]
+        return out.reshape(1, heads, p, d)
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:

@@ -16,6 +16,12 @@ from eyas.train.losses import acceptance, eagle1_loss, eagle3_ttt_loss, feature_
 
 
 # ---- the straightforward reference: every step at every index, full logits, then mask -------------
+def reference_soft_ce(logits, target_logits):
+    """torch's own soft-target cross-entropy, independent of the fused one under test."""
+    probs = torch.softmax(target_logits.float(), dim=-1)
+    return F.cross_entropy(logits.flatten(0, -2), probs.flatten(0, -2), reduction="none").view(logits.shape[:-1])
+
+
 def reference_unroll(head, input_ids, hidden, steps):
     """Step i over all T-1 indices with mask [causal | eye * i]; returns one HeadOutput per step."""
     b, n = hidden.shape[:2]
@@ -42,7 +48,7 @@ def reference_eagle3(head, input_ids, valid, features, target_logits, config):
         logits = out.logits[:, : t - 1 - i]
         keep = valid[:, 1 + i:].float()
         count = keep.sum()
-        step_loss = (soft_cross_entropy(logits, restricted[:, 1 + i:]) * keep).sum() / count.clamp(min=1)
+        step_loss = (reference_soft_ce(logits, restricted[:, 1 + i:]) * keep).sum() / count.clamp(min=1)
         loss = loss + config.step_decay ** i * step_loss
         hit = head.to_target_ids(logits.argmax(-1)) == target_top[:, 1 + i:]
         metrics.update({f"loss/step{i}": step_loss.detach() * count, f"correct/step{i}": (hit.float() * keep).sum(),
@@ -58,7 +64,7 @@ def reference_eagle1(head, input_ids, valid, target_hidden, target_logits, confi
     count = keep.sum()
     feature = F.smooth_l1_loss(out.hidden, target_hidden[:, 1:], reduction="none").mean(-1)
     feature_loss = (feature * keep).sum() / count.clamp(min=1)
-    ce_loss = (soft_cross_entropy(out.logits, target_logits[:, 1:]) * keep).sum() / count.clamp(min=1)
+    ce_loss = (reference_soft_ce(out.logits, target_logits[:, 1:]) * keep).sum() / count.clamp(min=1)
     correct = ((out.logits.argmax(-1) == target_logits[:, 1:].argmax(-1)).float() * keep).sum()
     loss = config.feature_weight * feature_loss + config.ce_weight * ce_loss
     return loss, {"loss/feature": feature_loss.detach() * count, "loss/ce": ce_loss.detach() * count,
@@ -66,31 +72,30 @@ def reference_eagle1(head, input_ids, valid, target_hidden, target_logits, confi
 
 
 def test_ttt_cache_attends_like_the_literal_mask():
-    """TTTCache over steps 0, 1, 2 equals dense attention under the literal [causal | eye | eye] mask,
-    for step 2 on a subset of rows with a padding row (which must stay finite)."""
+    """TTTCache over steps 0 (batched), 1 and 2 (packed rows of two batch elements) equals dense
+    attention under the literal [causal | eye | eye] masks of each batch element."""
     torch.manual_seed(0)
-    b, heads, kv, d, n = 1, 4, 2, 8, 3
-    keys = [(torch.randn(b, kv, n, d), torch.randn(b, kv, n, d)) for _ in range(3)]
+    b, heads, kv, d, n = 2, 4, 2, 8, 3
+    keys = [(torch.randn(b, kv, n, d), torch.randn(b, kv, n, d)) for _ in range(3)]  # per step, at every (b, t)
     q = torch.randn(b, heads, n, d)
     cache = TTTCache(1)
     cache.attend(0, q, *keys[0], None)
-    every = torch.arange(n)[None]
-    cache.next_step(every, every)
-    cache.attend(0, q, *keys[1], None)
-    rows = torch.tensor([[1, -1]])  # step 2 keeps index 1 and a padding row
-    source = rows.clamp(min=0)
-    cache.next_step(rows, source)
-    k2, v2 = (x[:, :, source[0]] for x in keys[2])
-    out = cache.attend(0, q[:, :, source[0]], k2, v2, None)
-    allowed = torch.tensor([
-        [1, 1, 0, 0, 1, 0, 1, 0],
-        [1, 0, 0, 1, 0, 0, 0, 1],  # padding row: step-0 key 0 and its own chain (a copy of row 0)
-    ], dtype=torch.bool)
-    dense_k = torch.cat([keys[0][0], keys[1][0], k2], dim=2)
-    dense_v = torch.cat([keys[0][1], keys[1][1], v2], dim=2)
-    expected = attend(q[:, :, source[0]], dense_k, dense_v, additive_mask(allowed[None], torch.float32))
-    assert torch.isfinite(out).all()
-    assert torch.allclose(out, expected, atol=1e-6)
+    every = torch.ones(b * n, dtype=torch.bool)
+    cache.next_step(torch.arange(n).repeat(b), [n, n], every)
+    cache.attend(0, q.transpose(0, 1).reshape(1, heads, b * n, d), *(x.transpose(0, 1).reshape(1, kv, b * n, d) for x in keys[1]), None)
+    keep = torch.tensor([False, True, False, True, False, True])  # step 2 rows: (0, 1), (1, 0), (1, 2)
+    bi, ti = torch.tensor([0, 1, 1]), torch.tensor([1, 0, 2])
+    cache.next_step(ti, [1, 2], keep)
+    k2, v2 = (x[bi, :, ti].transpose(0, 1)[None] for x in keys[2])  # [1, kv, 3, D]
+    out = cache.attend(0, q[bi, :, ti].transpose(0, 1)[None], k2, v2, None)[0]  # [heads, 3, D]
+    allowed = {0: torch.tensor([[1, 1, 0, 0, 1, 0, 1]]),
+               1: torch.tensor([[1, 0, 0, 1, 0, 0, 1, 0],
+                                [1, 1, 1, 0, 0, 1, 0, 1]])}
+    for e, rows in ((0, [0]), (1, [1, 2])):
+        dense_k = torch.cat([keys[0][0][e], keys[1][0][e], k2[0][:, rows]], dim=1)[None]
+        dense_v = torch.cat([keys[0][1][e], keys[1][1][e], v2[0][:, rows]], dim=1)[None]
+        expected = attend(q[e][:, ti[rows]][None], dense_k, dense_v, additive_mask(allowed[e][None].bool(), torch.float32))
+        assert torch.allclose(out[:, rows], expected[0], atol=1e-6), e
 
 
 @pytest.fixture(scope="module")
@@ -140,13 +145,27 @@ def test_ttt_loss_counts_out_of_vocab_and_masks_invalid(setup):
 
 def test_soft_cross_entropy_is_minimised_by_the_target_distribution():
     """Soft CE against itself is minimised: a head whose logits equal the target's gives the entropy."""
-    from eyas.train.losses import soft_cross_entropy
-
     logits = torch.randn(3, 7)
     p = torch.softmax(logits, -1)
     entropy = -(p * p.log()).sum(-1)
     assert torch.allclose(soft_cross_entropy(logits, logits), entropy, atol=1e-6)
     assert (soft_cross_entropy(torch.randn(3, 7), logits) > entropy).all()
+
+
+def test_soft_cross_entropy_value_and_gradient_equal_torch():
+    logits = torch.randn(2, 5, 11, requires_grad=True)
+    teacher = torch.randn(2, 5, 11)
+    weight = torch.rand(2, 5)  # an uneven upstream gradient
+    results = []
+    for fn in (soft_cross_entropy, reference_soft_ce):
+        logits.grad = None
+        ce = fn(logits, teacher)
+        (ce * weight).sum().backward()
+        results.append((ce.detach(), logits.grad.clone()))
+    assert torch.allclose(results[0][0], results[1][0], atol=1e-5)
+    assert torch.allclose(results[0][1], results[1][1], atol=1e-6)
+    with pytest.raises(ValueError, match="must not require grad"):
+        soft_cross_entropy(logits, teacher.requires_grad_())
 
 
 def test_eagle1_loss_reads_next_feature_and_counts_top1():
