@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import sys
 
@@ -16,13 +18,19 @@ from eyas.inference.cli import main
 from eyas.models import default_fused_layer_ids
 
 
-def test_data_commands(tmp_path, monkeypatch):
+def tiny_folder_and_chats(tmp_path, monkeypatch):
+    """A tiny target saved as a folder, and 12 conversations as JSONL."""
     monkeypatch.setenv("EYAS_CACHE", str(tmp_path / "cache"))
     target = tmp_path / "target"
     tiny_model().save_pretrained(target)
     tiny_tokenizer().save_pretrained(target)
     src = tmp_path / "chats.jsonl"
     src.write_text("".join(json.dumps({"messages": c}) + "\n" for c in conversations(12)))
+    return target, src
+
+
+def test_data_commands(tmp_path, monkeypatch):
+    target, src = tiny_folder_and_chats(tmp_path, monkeypatch)
 
     assert main(["data", "regenerate", "--target", str(target), "--source", str(src), "--out",
                  str(tmp_path / "regen.jsonl"), "--max-new-tokens", "6", "--batch-size", "4",
@@ -43,6 +51,31 @@ def test_data_commands(tmp_path, monkeypatch):
     assert len(cached) == 10 and cached[0]["features"].shape[-1] == 64 * len(default_fused_layer_ids(4))
     assert main(["data", "prepare", "--target", str(target), "--source", str(tmp_path / "missing.json"),
                  "--out", str(ex)]) == 2
+
+
+def test_regenerate_ctrl_c_keeps_the_finished_and_a_larger_limit_extends(tmp_path, monkeypatch, capsys):
+    import eyas.data.regenerate as regen
+
+    target, src = tiny_folder_and_chats(tmp_path, monkeypatch)
+    args = ["data", "regenerate", "--target", str(target), "--source", str(src), "--out", str(tmp_path / "regen.jsonl"),
+            "--max-new-tokens", "6", "--batch-size", "4", "--cache-hidden", str(tmp_path / "hidden")]
+    pick, calls = regen._pick, []
+
+    def ctrl_c_at_the_tenth_pick(*a):
+        calls.append(1)
+        if len(calls) == 10:
+            os.kill(os.getpid(), signal.SIGINT)
+        return pick(*a)
+
+    monkeypatch.setattr(regen, "_pick", ctrl_c_at_the_tenth_pick)
+    assert main(args + ["--limit", "8"]) == 130
+    err = capsys.readouterr().err
+    stored = len((tmp_path / "regen.jsonl").read_text().splitlines())
+    assert 0 < stored < 8 and f"stopped early after {stored} conversations" in err and "rerun the same command" in err
+    assert len(HiddenStateDataset(tmp_path / "hidden")) == stored  # readable at once
+    monkeypatch.setattr(regen, "_pick", pick)
+    assert main(args + ["--limit", "12"]) == 0
+    assert len((tmp_path / "regen.jsonl").read_text().splitlines()) == len(HiddenStateDataset(tmp_path / "hidden")) == 12
 
 
 def test_help_does_not_import_torch():
