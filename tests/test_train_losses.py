@@ -153,9 +153,9 @@ def test_soft_cross_entropy_is_minimised_by_the_target_distribution():
 
 
 def test_soft_cross_entropy_value_and_gradient_equal_torch():
-    logits = torch.randn(2, 5, 11, requires_grad=True)
-    teacher = torch.randn(2, 5, 11)
-    weight = torch.rand(2, 5)  # an uneven upstream gradient
+    logits = torch.randn(2, 150, 11, requires_grad=True)  # 300 rows: more than one block of the fused CE
+    teacher = torch.randn(2, 150, 11)
+    weight = torch.rand(2, 150)  # an uneven upstream gradient
     results = []
     for fn in (soft_cross_entropy, reference_soft_ce):
         logits.grad = None

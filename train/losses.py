@@ -59,25 +59,41 @@ def _cross_entropy(logits: torch.Tensor, probs: torch.Tensor, rows: torch.Tensor
 
 
 class _SoftCrossEntropy(torch.autograd.Function):
-    """Soft CE in few passes over the [N, V] logits: CE = logsumexp(z) - <p, z> (p sums to 1) and
-    dCE/dz = softmax(z) - p. Autograd through log_softmax, a product, a sum and an advanced-indexed
-    copy of the teacher rows cost about twice as much (profiled: ~10% of the EAGLE-3 head step).
-    The teacher distribution gets no gradient."""
+    """Soft CE with few passes over the [N, V] logits: CE = logsumexp(z) - <p, z> (p sums to 1),
+    dCE/dz = softmax(z) - p, in blocks of rows so the temporaries stay small (on CPU a fresh [N, V]
+    buffer costs as much as a pass over it). Autograd through log_softmax, a product, a sum and an
+    indexed copy of the teacher rows cost about twice as much (profiled: ~10% of the EAGLE-3 head
+    step). The teacher distribution gets no gradient."""
+
+    BLOCK = 256  # rows per block: [256, 8192] fp32 = 8 MiB
 
     @staticmethod
     def forward(ctx, logits: torch.Tensor, probs: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
         if probs.requires_grad:
             raise ValueError("soft cross-entropy: the teacher distribution must not require grad")
-        p = probs if rows is None else probs.index_select(0, rows)  # [N, V]
-        lse = torch.logsumexp(logits, dim=-1)  # [N]
-        ctx.save_for_backward(logits, lse, p)
-        return lse - torch.linalg.vecdot(p, logits)
+        blocks = _blocks(len(logits))
+        lse = torch.cat([torch.logsumexp(logits[block], dim=-1) for block in blocks])  # [N]
+        dot = torch.cat([torch.linalg.vecdot(_teacher(probs, rows, block), logits[block]) for block in blocks])  # [N] <p, z>
+        ctx.save_for_backward(logits, probs, rows, lse)
+        return lse - dot
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
-        logits, lse, p = ctx.saved_tensors
-        out = (logits - lse[:, None]).exp_()  # softmax(z), reusing the forward's normaliser
-        return out.sub_(p).mul_(grad[:, None]), None, None
+        logits, probs, rows, lse = ctx.saved_tensors
+        out = torch.empty_like(logits)  # [N, V]
+        for block in _blocks(len(logits)):
+            o = torch.sub(logits[block], lse[block, None], out=out[block]).exp_()  # softmax(z)
+            o.sub_(_teacher(probs, rows, block)).mul_(grad[block, None])
+        return out, None, None
+
+
+def _blocks(n: int) -> list[slice]:
+    return [slice(i, i + _SoftCrossEntropy.BLOCK) for i in range(0, n, _SoftCrossEntropy.BLOCK)]
+
+
+def _teacher(probs: torch.Tensor, rows: torch.Tensor | None, block: slice) -> torch.Tensor:
+    """The teacher distribution of the logit rows in `block`: [len(block), V]."""
+    return probs[block] if rows is None else probs.index_select(0, rows[block])
 
 
 def feature_noise(hidden: torch.Tensor, scale: float) -> torch.Tensor:
@@ -121,9 +137,9 @@ def eagle3_ttt_loss(head: DraftHead, input_ids: torch.Tensor, valid: torch.Tenso
     taught[:, 0] = False  # index 0 is never predicted
     flat = taught.flatten().nonzero().squeeze(1)  # [P]
     teacher_row = taught.flatten().long().cumsum(0).view(b, t) - 1  # [B, T] row of (b, u) in the teacher tables
-    taught_logits = target_logits.flatten(0, 1).index_select(0, flat)  # [P, V]
-    probs = torch.softmax(taught_logits.index_select(1, head.draft_to_target).float(), dim=-1)  # [P, Dv]
-    target_top = taught_logits.argmax(-1)  # [P] target ids
+    logits_2d = target_logits.flatten(0, 1)  # [B*T, V], a view: no full-vocab copy
+    probs = torch.softmax(logits_2d.index_select(1, head.draft_to_target).index_select(0, flat).float(), dim=-1)  # [P, Dv]
+    target_top = logits_2d.argmax(-1)[flat]  # [P] target ids
     in_vocab = head.t2d[target_top]  # [P]
 
     # carries[i][:, t]: step i at index t learns the distribution at t+1+i, which carries loss
