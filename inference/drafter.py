@@ -39,10 +39,15 @@ class TreeOptions:
     total_tokens: int | Literal["auto"] = "auto"
     # static: the tree as child-rank paths from the root (default: a 16-node tree, tree.DEFAULT_PATHS).
     paths: tuple[tuple[int, ...], ...] | None = None
+    # At most this many n-gram lookup tokens grafted onto the tree as one more branch (lookup.py);
+    # with total_tokens="auto" the planner picks fewer from their observed acceptance. 0 = off.
+    lookup: int = 8
 
     def __post_init__(self) -> None:
         if self.kind not in ("dynamic", "static", "chain"):
             raise ValueError(f"tree kind {self.kind!r} is not one of dynamic, static, chain")
+        if self.lookup < 0:
+            raise ValueError(f"lookup must be >= 0 (0 = off), got {self.lookup}")
         if self.depth < 1 or self.top_k < 1:
             raise ValueError(f"depth and top_k must be >= 1, got depth={self.depth} top_k={self.top_k}")
         if self.total_tokens != "auto" and (not isinstance(self.total_tokens, int) or self.total_tokens < 1):

@@ -20,6 +20,7 @@ from eyas.models import DraftHead, Target
 
 from .acceptance import Sampling, Verifier, accept, target_tokens, verify
 from .drafter import DraftContext, Drafter, DynamicExpansion, HeadDrafter, TreeOptions
+from .lookup import accepted_prefix, graft, ngram_continuation
 from .tree import DraftTree, tree_attention
 
 Prompt = Union[Sequence[int], torch.Tensor, str, Sequence[dict]]
@@ -219,6 +220,11 @@ class SpeculativeGenerator:
                 if plan is not None:
                     self.drafter.expansion = self.options.expansion(plan.total_tokens, plan.depth)
                 tree = self.drafter.draft(ctx)
+            head_nodes = tree.size
+            n_lookup = self.planner.lookup_tokens(plan) if plan is not None else self.options.lookup
+            chains = [ngram_continuation(prompts[j] + rows[j].tokens, n_lookup) for j in live]
+            if any(chains):
+                tree = graft(tree, chains)
             t1 = clock()
             anc = tree.ancestors()
             past = valid.shape[1]
@@ -236,13 +242,19 @@ class SpeculativeGenerator:
             new = DraftContext(tokens=after, features=feats.gather(1, acc.path[..., None].expand(-1, -1, feats.shape[-1])),
                                positions=next_pos[:, None] + offset.clamp(min=0), valid=torch.cat([valid, offset >= 0], 1))
             # after a plain cycle the head has not seen ctx yet: it catches up on both at the next draft
-            ctx = ctx.then(new) if tree.size == 1 else new
+            ctx = ctx.then(new) if head_nodes == 1 else new
             valid = ctx.valid
             next_pos = next_pos + acc.length
             lengths, depth = acc.length.tolist(), int(tree.depth.max())
-            if tree.size > 1 and self.planner is not None:
-                self.planner.observe(tree.scores[:, 1:].float().exp().cpu().numpy(), tree.depth[:, 1:].cpu().numpy(),
-                                     acc.length.cpu().numpy() - 1)
+            if self.planner is not None:
+                if head_nodes > 1:  # what the head's own nodes earned: accepted path nodes among them
+                    on_path = ((acc.path > 0) & (acc.path < head_nodes)).sum(1)
+                    self.planner.observe(tree.scores[:, 1:head_nodes].float().exp().cpu().numpy(),
+                                         tree.depth[:, 1:head_nodes].cpu().numpy(), on_path.cpu().numpy())
+                if any(chains):
+                    drafts = [toks[len(toks) - n + 1:] for toks, n in zip(path_tokens.tolist(), lengths)]
+                    self.planner.observe_lookup([len(c) for c in chains],
+                                                [accepted_prefix(c, d) for c, d in zip(chains, drafts)])
             for j, toks, n in zip(live, after.tolist(), lengths):
                 rows[j].add(toks[len(toks) - n:])
                 stats[j].accepted.append(n)
@@ -268,7 +280,7 @@ class SpeculativeGenerator:
         tree = probe.draft(ctx)  # every candidate node, in creation order: same depth at the same index in every row
         step_s = (time.perf_counter() - t0) / depth
         self.planner = Planner(tree.scores[:, 1:].float().exp().mean(0).cpu().numpy(), tree.depth[0, 1:].cpu().numpy(),
-                               fit_cost(costs), step_s, plain_s, depth)
+                               fit_cost(costs), step_s, plain_s, depth, lookup_max=self.options.lookup)
 
 
 class _Clock:

@@ -134,16 +134,23 @@ class Planner:
     Plain decoding wins when no tree pays for its draft and wider verify; then the cycle verifies the root
     alone. Every `probe` plain cycles the best tree is verified once anyway, to keep measuring; the
     interval doubles (to `max_probe`) while plain keeps winning.
+
+    N-gram lookup branches (lookup.py) get their own per-position acceptance (decayed, prior
+    `lookup_prior`), and lookup_tokens() sizes the branch to what it is expected to earn.
     """
 
     def __init__(self, conf: np.ndarray, node_depth: np.ndarray, verify_cost: tuple[float, float], step_s: float,
-                 plain_s: float, max_depth: int, decay: float = 0.9, weight: float = 1.0, max_probe: int = 64) -> None:
+                 plain_s: float, max_depth: int, decay: float = 0.9, weight: float = 1.0, max_probe: int = 64,
+                 lookup_max: int = 8, lookup_prior: float = 0.5) -> None:
         self.conf, self.node_depth = np.asarray(conf, dtype=float), np.asarray(node_depth)
         self.verify_cost, self.step_s, self.plain_s, self.max_depth = verify_cost, step_s, plain_s, max_depth
         self.decay, self.weight, self.max_probe = decay, weight, max_probe
         self.pred = np.zeros(max_depth)  # decayed sums per depth (index d-1)
         self.obs = np.zeros(max_depth)
         self.probe, self.since_probe = 2, 0
+        self.lookup_prior = lookup_prior
+        self.lookup_reached = np.zeros(lookup_max)  # decayed counts per branch position
+        self.lookup_passed = np.zeros(lookup_max)
         self.plan = self._plan(plain=True)
 
     def calibration(self) -> np.ndarray:
@@ -187,3 +194,26 @@ class Planner:
             self.probe = min(2 * self.probe, self.max_probe)  # the probe confirmed plain: look less often
         elif not self.plan.plain:
             self.probe = 2
+
+    def lookup_tokens(self, plan: TreePlan) -> int:
+        """How many lookup tokens to graft onto `plan`'s tree: the most expected tokens per second."""
+        if len(self.lookup_reached) == 0:
+            return 0
+        a, b = self.verify_cost
+        w = self.weight
+        rate = (self.lookup_passed + w * self.lookup_prior) / (self.lookup_reached + w)  # P(i+1 | i) per position
+        gain = np.concatenate([[0.0], np.cumsum(np.cumprod(rate))])  # [L+1] expected extra tokens
+        n = np.arange(len(gain))
+        cost = plan.cycle_s + b * n if not plan.plain else np.where(n == 0, self.plain_s, a + b * (n + 1))
+        return int(np.argmax((plan.expected_tokens + gain) / cost))
+
+    def observe_lookup(self, proposed: Sequence[int], accepted: Sequence[int]) -> None:
+        """Per row with a lookup branch: its length and how many of its leading tokens were accepted."""
+        pairs = [(p, a) for p, a in zip(proposed, accepted) if p > 0]
+        if not pairs:
+            return
+        self.lookup_reached *= self.decay
+        self.lookup_passed *= self.decay
+        for p, a in pairs:
+            self.lookup_reached[: min(p, a + 1)] += 1 / len(pairs)
+            self.lookup_passed[: a] += 1 / len(pairs)

@@ -40,7 +40,8 @@ def test_perfect_draft_accepts_every_token(arch, tied):
     target = tiny_target(arch, tied)
     depth = 4
     refs = [p + greedy(target, p, 40) for p in PROMPTS]
-    gen = SpeculativeGenerator(target, make_head(target), drafter=Oracle(refs, depth, decoy=arch == "llama"))
+    gen = SpeculativeGenerator(target, make_head(target), TreeOptions(lookup=0),  # exactly the oracle's tree
+                               drafter=Oracle(refs, depth, decoy=arch == "llama"))
     results = gen.generate_batch(PROMPTS, max_new_tokens=30, **NO_EOS)
     for prompt, ref, res in zip(PROMPTS, refs, results):
         assert res.tokens == ref[len(prompt):len(prompt) + 30]
@@ -254,7 +255,8 @@ def test_finished_rows_leave_the_batch():
         return forward(input_ids, *args, **kwargs)
 
     target.forward = counting_forward
-    gen = SpeculativeGenerator(target, make_head(target), TreeOptions(total_tokens=4, depth=2))
+    # no lookup branches: rows 0 and 2 must still be decoding when row 1 ends
+    gen = SpeculativeGenerator(target, make_head(target), TreeOptions(total_tokens=4, depth=2, lookup=0))
     res = gen.generate_batch(PROMPTS, max_new_tokens=20, eos_token_id=eos)
     assert res[1].tokens == refs[1][:refs[1].index(eos) + 1]
     assert res[0].tokens == refs[0] and res[2].tokens == refs[2]
