@@ -8,7 +8,7 @@ and explicit position ids give every row its own positions. The cache is preallo
 headroom (a step writes one column in place, no per-step copy of the whole cache); columns no row
 needs any more are dropped from the left by moving a start index. Prompts that start in the same
 step are prefilled together (packed into bins, each token seeing only its own prompt) and spliced
-into their rows. Decode attention reads only each row's own columns (_row_attention).
+into their rows.
 
 Hidden states come for free: every forward also returns the EAGLE features of the chosen layers
 and the final normed hidden state, so the states of the finished example (prompt prefill +
@@ -30,12 +30,8 @@ from pathlib import Path
 from typing import Callable, Iterable, Sequence
 
 import torch
-import torch.nn.functional as F
 from tqdm.auto import tqdm
-from transformers import AttentionInterface, AttentionMaskInterface
 from transformers.cache_utils import Cache, DynamicLayer
-from transformers.integrations.sdpa_attention import sdpa_attention_forward
-from transformers.masking_utils import sdpa_mask
 
 from eyas.data.chat_template import TemplateError, render_with_mask
 from eyas.data.hidden_cache import CacheWriter, stored_shards
@@ -146,33 +142,6 @@ class _SlotLayer(DynamicLayer):
         return self.end - self.start
 
 
-def _row_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                   attention_mask: torch.Tensor | None, scaling: float | None = None, **kwargs):
-    """Decode attention in which each row reads only its own (right-aligned) cache columns.
-
-    query [B, heads, 1, d]; key/value [B, kv_heads, W, d]; attention_mask bool [B, 1, 1, W], True on a
-    suffix of each row (what SlotBatch.step builds). Decode attention is memory-bound, and one
-    batched SDPA reads all W columns of every row: with prompts of very different lengths most of
-    that read is masked padding. Anything else (prefill, no mask) is transformers' sdpa.
-    Returns ([B, 1, heads, d], None) like every transformers attention function.
-    """
-    if query.shape[2] != 1 or attention_mask is None or attention_mask.dtype != torch.bool:
-        return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
-    b, heads, _, d = query.shape
-    w, kv_heads = key.shape[2], key.shape[1]
-    firsts = (w - attention_mask.reshape(b, w).sum(-1)).tolist()
-    q = query.reshape(b, kv_heads, heads // kv_heads, d)  # the query heads of one kv head as its queries (GQA)
-    out = query.new_empty(b, kv_heads, heads // kv_heads, d)
-    for r, f in enumerate(firsts):
-        out[r] = F.scaled_dot_product_attention(q[r], key[r, :, f:], value[r, :, f:], scale=scaling)
-    return out.reshape(b, 1, heads, d), None
-
-
-_ROW_ATTENTION = "eyas_slot_rows"
-AttentionInterface.register(_ROW_ATTENTION, _row_attention)
-AttentionMaskInterface.register(_ROW_ATTENTION, sdpa_mask)  # the masks sdpa gets
-
-
 PACK_WIDTH = 256  # prefill bin width (tokens): attention span vs padding left in the bins
 
 
@@ -264,15 +233,8 @@ class SlotBatch:
         w = self.width
         cols = torch.arange(w + 1, device=self.lens.device)
         mask = cols[None, :] >= w - self.lens[:, None]  # [B, w+1]: the row's own columns and the new one
-        config = self.target.model.config
-        implementation = config._attn_implementation
-        if implementation == "sdpa":  # read only each row's own columns (see _row_attention)
-            config._attn_implementation = _ROW_ATTENTION
-        try:
-            out = self.target(tokens[:, None], position_ids=self.lens[:, None], attention_mask=mask, cache=self.cache,
-                              layer_ids=layer_ids)
-        finally:
-            config._attn_implementation = implementation
+        out = self.target(tokens[:, None], position_ids=self.lens[:, None], attention_mask=mask, cache=self.cache,
+                          layer_ids=layer_ids)
         self.lens += 1
         drop = self.width - int(self.lens.max())
         if drop > 0:  # columns to the left of every row are dead weight
