@@ -207,7 +207,7 @@ def _regenerate(args: argparse.Namespace) -> int:
         print(f"hidden states of {stats.state_tokens} tokens -> {args.cache_hidden} "
               f"({stats.mask_fallbacks} examples masked on their final answer only: re-tokenizing changed them)")
     if stats.stopped_by is not None:
-        print(f"stopped early after {stats.conversations} conversations (all stored: {stats.stored} in {args.out}"
-              f"{', cache readable' if cache else ''}); rerun the same command to continue", file=sys.stderr)
+        print(f"stopped early after {stats.conversations} conversations, all stored ({stats.stored} in {args.out} now"
+              f"{', the cache is readable' if cache else ''}); rerun the same command to continue", file=sys.stderr)
         return 128 + stats.stopped_by  # the shell convention for "killed by this signal" (130 for Ctrl-C)
     return 0
