@@ -19,8 +19,11 @@ Cost (the head step must stay cheaper than the target forward): the result equal
 step at every index, but work is spent only where it can reach the loss. Step 0 runs at every index
 (later steps attend to its keys); step i >= 1 runs only at the indices that still carry loss at some
 step >= i (their step-i keys are only ever read by their own later steps, so the dropped rows change
-nothing); the vocabulary projection and the soft CE run only at rows that carry loss at that step;
-the teacher is cut to loss-carrying rows and the draft vocabulary once, before any step.
+nothing), packed across the batch without padding; the own-chain (eye) attention terms are
+elementwise (TTTCache); the vocabulary projection and the soft CE run only at rows that carry loss
+at that step, in one matmul for all steps; the teacher is cut to the draft vocabulary and the
+loss-carrying rows once, before any step. What remains is dominated by that projection (forward and
+two backward products of [rows, H] x [H, draft vocab]) and the layer's own matmuls.
 
 Positions whose target argmax lies outside the draft vocab are kept in the soft CE: the renormalised
 target distribution still says how to rank the tokens the head can propose, and dropping them would
