@@ -174,6 +174,10 @@ def add_tree_options(p: argparse.ArgumentParser) -> None:
                    help="draft tokens verified per cycle (dynamic tree), or `auto` (default): time this machine's "
                    "target forwards and one draft, then pick the depth and size with the most expected tokens/s")
     g.add_argument("--paths", default=None, help='static tree as JSON paths, e.g. "[[0],[1],[0,0]]"')
+    g.add_argument("--lookup", type=int, default=None, metavar="N",
+                   help="graft up to N n-gram lookup tokens (text repeated from the prompt or output) onto each "
+                   "tree as one more branch; with --total-tokens auto fewer when they are not being accepted "
+                   "(default 8, 0 = off)")
 
 
 def _int_or_auto(value: str) -> int | str:
@@ -190,7 +194,7 @@ def tree_options(args: argparse.Namespace) -> dict:
 
     opts = {"kind": args.tree_kind, "depth": args.depth, "top_k": args.tree_top_k,
             "total_tokens": args.total_tokens,
-            "paths": json.loads(args.paths) if args.paths else None}
+            "paths": json.loads(args.paths) if args.paths else None, "lookup": args.lookup}
     return {k: v for k, v in opts.items() if v is not None}
 
 
