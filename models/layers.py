@@ -137,7 +137,8 @@ class TTTCache(HeadCache):
         scores = scores.masked_fill(~causal, float("-inf"))  # [kv, rep, P, T]
         chain = torch.einsum("krpd,kpid->krpi", q, chain_k)  # [kv, rep, P, i]
         probs = torch.softmax(torch.cat([scores, chain], dim=-1), dim=-1)
-        step0 = torch.cat([pb @ values[i, :, None] for i, pb in enumerate(probs[..., :t].split(self.batch_sizes, dim=2))], dim=2)
+        step0 = torch.cat([pb @ values[i, :, None]
+                           for i, pb in enumerate(probs[..., :t].split(self.batch_sizes, dim=2))], dim=2)
         out = step0 + torch.einsum("krpi,kpid->krpd", probs[..., t:], chain_v)  # [kv, rep, P, D]
         return out.reshape(1, heads, p, d)
 

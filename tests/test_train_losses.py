@@ -78,11 +78,15 @@ def test_ttt_cache_attends_like_the_literal_mask():
     b, heads, kv, d, n = 2, 4, 2, 8, 3
     keys = [(torch.randn(b, kv, n, d), torch.randn(b, kv, n, d)) for _ in range(3)]  # per step, at every (b, t)
     q = torch.randn(b, heads, n, d)
+
+    def packed(x):  # [B, h, n, D] -> [1, h, B*n, D], rows ordered by batch element
+        return x.transpose(0, 1).reshape(1, x.shape[1], b * n, d)
+
     cache = TTTCache(1)
     cache.attend(0, q, *keys[0], None)
     every = torch.ones(b * n, dtype=torch.bool)
     cache.next_step(torch.arange(n).repeat(b), [n, n], every)
-    cache.attend(0, q.transpose(0, 1).reshape(1, heads, b * n, d), *(x.transpose(0, 1).reshape(1, kv, b * n, d) for x in keys[1]), None)
+    cache.attend(0, packed(q), packed(keys[1][0]), packed(keys[1][1]), None)
     keep = torch.tensor([False, True, False, True, False, True])  # step 2 rows: (0, 1), (1, 0), (1, 2)
     bi, ti = torch.tensor([0, 1, 1]), torch.tensor([1, 0, 2])
     cache.next_step(ti, [1, 2], keep)
@@ -94,7 +98,8 @@ def test_ttt_cache_attends_like_the_literal_mask():
     for e, rows in ((0, [0]), (1, [1, 2])):
         dense_k = torch.cat([keys[0][0][e], keys[1][0][e], k2[0][:, rows]], dim=1)[None]
         dense_v = torch.cat([keys[0][1][e], keys[1][1][e], v2[0][:, rows]], dim=1)[None]
-        expected = attend(q[e][:, ti[rows]][None], dense_k, dense_v, additive_mask(allowed[e][None].bool(), torch.float32))
+        mask = additive_mask(allowed[e][None].bool(), torch.float32)
+        expected = attend(q[e][:, ti[rows]][None], dense_k, dense_v, mask)
         assert torch.allclose(out[:, rows], expected[0], atol=1e-6), e
 
 
