@@ -90,37 +90,6 @@ class DraftHead(nn.Module):
         self.t2d.zero_()
         self.t2d[ids] = True
 
-    @torch.no_grad()
-    def warm_start(self, target: Target) -> list[str]:
-        """EAGLE-3: start the output side as the target's own: lm_head rows of the draft vocab (set the vocab
-        map first) and the final norm. The head then only has to learn hidden states in the target's output
-        space, not a [draft_vocab, H] projection from scratch, which is what scarce data cannot teach.
-
-        The norm is copied only if the target's final norm computes what ours does with its weight (checked
-        on a probe; Gemma-style 1 + w norms differ); a sharded lm_head (ZeRO-3) is left alone. Returns what
-        was copied.
-        """
-        if self.config.head_type != "eagle3":
-            return []
-        copied = []
-        w = target.lm_head.weight
-        if _whole(w, (self.config.vocab_size, self.config.hidden_size)):
-            self.lm_head.weight.copy_(w[self.draft_to_target.to(w.device)].to(self.lm_head.weight))
-            copied.append("lm_head")
-        norm = getattr(target.model.get_decoder(), "norm", None)
-        weight = getattr(norm, "weight", None)
-        if _whole(weight, tuple(self.norm.weight.shape)):
-            probe = torch.randn(4, self.config.hidden_size, generator=torch.Generator().manual_seed(0))
-            old = self.norm.weight.clone()
-            self.norm.weight.copy_(weight.to(old))
-            ours = self.norm(probe.to(old))
-            theirs = norm(probe.to(device=weight.device, dtype=weight.dtype)).to(ours)
-            if torch.allclose(ours, theirs, atol=1e-4, rtol=1e-3):
-                copied.append("norm")
-            else:
-                self.norm.weight.copy_(old)
-        return copied
-
     def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
         if self.config.head_type != "eagle3":
             return draft_ids
@@ -176,11 +145,3 @@ class DraftHead(nn.Module):
 
     def new_cache(self) -> HeadCache:
         return HeadCache(self.config.num_layers)
-
-
-def _whole(t: torch.Tensor | None, shape: tuple[int, ...]) -> bool:
-    """A local tensor of this shape: not a DeepSpeed-partitioned parameter or an FSDP2 DTensor shard."""
-    from torch.distributed.tensor import DTensor
-
-    return (isinstance(t, torch.Tensor) and not isinstance(t, DTensor) and not hasattr(t, "ds_id")
-            and tuple(t.shape) == shape)

@@ -37,9 +37,6 @@ class HeadSection:
     draft_vocab_size: int | None = None
     # EAGLE-3 only: target layers whose inputs are fused (null = 2, N//2, N-3).
     fused_layer_ids: tuple[int, ...] | None = None
-    # EAGLE-3 only: start the draft lm_head and final norm as the target's (its lm_head rows for the draft
-    # vocab); false = random init. A resumed run keeps its checkpoint's weights either way.
-    warm_start: bool = True
 
 
 @dataclass(frozen=True)

@@ -136,9 +136,6 @@ class Trainer:
                 vocab = build_vocab_map(counted, self.target.tokenizer, head_config.draft_vocab_size, vocab_path)
             head.set_vocab_map(vocab.draft_to_target)
             self.log(f"draft vocab: {head_config.draft_vocab_size} tokens cover {vocab.coverage:.1%} of training targets")
-        if hc.warm_start:
-            copied = head.warm_start(self.target)
-            self.log(f"warm start from the target: {', '.join(copied) or 'nothing (eagle1, or sharded target weights)'}")
 
         self.world = acc.num_processes
         self.global_batch = c.batch.size * self.world * c.batch.grad_accum
