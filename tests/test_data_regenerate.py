@@ -161,12 +161,18 @@ def test_cache_written_while_regenerating_equals_cache_hidden_over_the_output(tm
         torch.testing.assert_close(item["features"], want["features"][:n], rtol=1e-4, atol=1e-4)
 
 
-def test_killed_and_resumed_with_cache_equals_uninterrupted(tmp_path):
+def _uninterrupted(tmp_path, shard_examples: int):
+    """Tiny target, 7 conversations (one marked bad), sampled generation: the reference run into full.jsonl / full/."""
     target = tiny_target()
     ds = datasets.Dataset.from_dict({"messages": conversations(), "problem": [""] * 5 + ["empty", ""]})
     cfg = GenerationConfig(max_new_tokens=10, temperature=0.8, seed=3)
-    kw = dict(batch_size=3, eos_ids=EOS, progress=False, shard_examples=2)
+    kw = dict(batch_size=3, eos_ids=EOS, progress=False, shard_examples=shard_examples)
     regenerate_jsonl(target, ds, tmp_path / "full.jsonl", cfg, cache_hidden=tmp_path / "full", **kw)
+    return target, ds, cfg, kw
+
+
+def test_killed_and_resumed_with_cache_equals_uninterrupted(tmp_path):
+    target, ds, cfg, kw = _uninterrupted(tmp_path, shard_examples=2)
 
     with pytest.raises(KeyboardInterrupt):
         regenerate_jsonl(target, ds, tmp_path / "resumed.jsonl", cfg, cache_hidden=tmp_path / "resumed",
@@ -195,11 +201,7 @@ def test_killed_and_resumed_with_cache_equals_uninterrupted(tmp_path):
 
 
 def test_ctrl_c_stores_the_finished_and_a_rerun_with_a_larger_limit_extends(tmp_path):
-    target = tiny_target()
-    ds = datasets.Dataset.from_dict({"messages": conversations(), "problem": [""] * 5 + ["empty", ""]})
-    cfg = GenerationConfig(max_new_tokens=10, temperature=0.8, seed=3)
-    kw = dict(batch_size=3, eos_ids=EOS, progress=False, shard_examples=3)
-    regenerate_jsonl(target, ds, tmp_path / "full.jsonl", cfg, cache_hidden=tmp_path / "full", **kw)
+    target, ds, cfg, kw = _uninterrupted(tmp_path, shard_examples=3)
 
     first5 = ds.select(range(5))  # `--limit 5`
     handlers = [signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)]
