@@ -222,7 +222,8 @@ class SpeculativeGenerator:
                 tree = self.drafter.draft(ctx)
             head_nodes = tree.size
             n_lookup = self.planner.lookup_tokens(plan) if plan is not None else self.options.lookup
-            chains = [ngram_continuation(prompts[j] + rows[j].tokens, n_lookup) for j in live]
+            # the search is a Python scan over the whole history: skip it when no branch is wanted
+            chains = [ngram_continuation(prompts[j] + rows[j].tokens, n_lookup) for j in live] if n_lookup else []
             if any(chains):
                 tree = graft(tree, chains)
             t1 = clock()
