@@ -99,7 +99,7 @@ def test_target_is_frozen():
 def test_logit_projection_matches_lm_head_and_follows_weight_changes(rows):
     target = tiny_target("llama", tied=True)
     proj = target.logit_projection
-    assert proj.applies(target.lm_head) == torch.backends.mkldnn.is_available()
+    assert proj.applies() == torch.backends.mkldnn.is_available()
     h = torch.randn(1, rows, target.hidden_size)
     torch.testing.assert_close(proj(h), target.lm_head(h), rtol=1e-5, atol=1e-5)
     with torch.no_grad():  # a stale packed copy would keep the old weight
@@ -117,6 +117,42 @@ def test_logit_projection_runs_the_module_when_it_is_hooked():
 
 def test_logit_projection_falls_back_to_the_module_outside_cpu_fp32():
     target = tiny_target("llama", tied=False, dtype=torch.bfloat16)
-    assert not target.logit_projection.applies(target.lm_head)
+    assert not target.logit_projection.applies()
     h = torch.randn(1, 3, target.hidden_size, dtype=torch.bfloat16)
     assert torch.equal(target.logit_projection(h), target.lm_head(h))
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_decoder_linears_run_through_eyas_kernels_with_unchanged_results(arch):
+    target = tiny_target(arch)
+    linears = target._linears
+    assert linears and all(lin.applies() == torch.backends.mkldnn.is_available() for lin in linears)
+    ids = torch.randint(4, 300, (2, 6))
+    fast = target(ids, layer_ids=(1,))
+    called = []
+    for lin in linears:  # the kernel is what the layers ran: count its calls
+        lin.fast = (lambda f: lambda x: called.append(1) or f(x))(lin.fast)
+    target(ids)
+    assert len(called) == (len(linears) if torch.backends.mkldnn.is_available() else 0)
+    assert not any("forward" in vars(lin.module) for lin in linears)  # restored after the call
+    target._linears = []
+    plain = target(ids, layer_ids=(1,))
+    torch.testing.assert_close(fast.features, plain.features, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(fast.logits, plain.logits, rtol=1e-5, atol=1e-5)
+
+
+def test_decoder_linears_are_restored_when_the_forward_fails_and_hooked_ones_run_themselves():
+    target = tiny_target("llama")
+    hooked = target._linears[0].module
+    calls = []
+    hooked.register_forward_pre_hook(lambda module, args: calls.append(tuple(args[0].shape)))
+    target(torch.randint(4, 300, (1, 4)))
+    assert calls == [(1, 4, target.hidden_size)]  # the module itself ran, hook and all
+
+    def boom(module, args, kwargs):
+        raise RuntimeError("boom")
+
+    target._layers[-1].register_forward_pre_hook(boom, with_kwargs=True)
+    with pytest.raises(RuntimeError, match="boom"):
+        target(torch.randint(4, 300, (1, 4)))
+    assert not any("forward" in vars(lin.module) for lin in target._linears)
