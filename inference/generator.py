@@ -20,7 +20,7 @@ from eyas.models import DraftHead, Target
 
 from .acceptance import Sampling, Verifier, accept, target_tokens, verify
 from .drafter import DraftContext, Drafter, DynamicExpansion, HeadDrafter, TreeOptions
-from .lookup import accepted_prefix, graft, ngram_continuation
+from .lookup import MAX_NGRAM, accepted_prefix, graft, ngram_continuation
 from .tree import DraftTree, tree_attention
 
 Prompt = Union[Sequence[int], torch.Tensor, str, Sequence[dict]]
@@ -221,16 +221,16 @@ class SpeculativeGenerator:
                     self.drafter.expansion = self.options.expansion(plan.total_tokens, plan.depth)
                 tree = self.drafter.draft(ctx)
             head_nodes = tree.size
-            n_lookup = self.planner.lookup_tokens(plan) if plan is not None else self.options.lookup
-            # the search is a Python scan over the whole history: skip it when no branch is wanted
-            chains = [ngram_continuation(prompts[j] + rows[j].tokens, n_lookup) for j in live] if n_lookup else []
+            chains, ngrams = self._lookup(plan, [prompts[j] + rows[j].tokens for j in live])
             if any(chains):
                 tree = graft(tree, chains)
             t1 = clock()
             anc = tree.ancestors()
             past = valid.shape[1]
-            out = target(tree.tokens, next_pos[:, None] + tree.depth, tree_attention(valid, anc), cache,
-                         layer_ids=self.layer_ids)
+            # a chain over an unpadded cache is plain causal attention: without a mask the target's
+            # attention takes its fastest path (plain cycles are most cycles when the head is weak)
+            mask = None if tree.is_chain and bool(valid.all()) else tree_attention(valid, anc)
+            out = target(tree.tokens, next_pos[:, None] + tree.depth, mask, cache, layer_ids=self.layer_ids)
             t2 = clock()
             acc = accept(tree, self.verifier(out.logits, tree, s, gen), anc)
             a = acc.path.shape[1]
@@ -255,7 +255,7 @@ class SpeculativeGenerator:
                 if any(chains):
                     drafts = [toks[len(toks) - n + 1:] for toks, n in zip(path_tokens.tolist(), lengths)]
                     self.planner.observe_lookup([len(c) for c in chains],
-                                                [accepted_prefix(c, d) for c, d in zip(chains, drafts)])
+                                                [accepted_prefix(c, d) for c, d in zip(chains, drafts)], ngrams)
             for j, toks, n in zip(live, after.tolist(), lengths):
                 rows[j].add(toks[len(toks) - n:])
                 stats[j].accepted.append(n)
@@ -267,6 +267,18 @@ class SpeculativeGenerator:
         total = clock() - start
         for st in stats:
             st.total_time_s = total
+
+    def _lookup(self, plan, histories: list[list[int]]) -> tuple[list[list[int]], list[int]]:
+        """Per row the n-gram branch to graft (maybe empty) and the length of the match it came from."""
+        limit = self.options.lookup
+        if self.planner is not None:  # no branch pays from any match: no search at all
+            limit = min(limit, max(self.planner.lookup_tokens(plan, n) for n in range(1, MAX_NGRAM + 1)))
+        if limit == 0:  # the search is a Python scan over the whole history
+            return [], []
+        found = [ngram_continuation(h, limit, MAX_NGRAM) for h in histories]
+        if self.planner is not None:
+            found = [(c[: self.planner.lookup_tokens(plan, n)], n) for c, n in found]
+        return [c for c, _ in found], [n for _, n in found]
 
     def _tune(self, cache, ctx: DraftContext, next_pos: torch.Tensor) -> None:
         """Time target forwards per size and one large draft tree: the cost model and prior of the Planner."""
@@ -281,7 +293,8 @@ class SpeculativeGenerator:
         tree = probe.draft(ctx)  # every candidate node, in creation order: same depth at the same index in every row
         step_s = (time.perf_counter() - t0) / depth
         self.planner = Planner(tree.scores[:, 1:].float().exp().mean(0).cpu().numpy(), tree.depth[0, 1:].cpu().numpy(),
-                               fit_cost(costs), step_s, plain_s, depth, lookup_max=self.options.lookup)
+                               fit_cost(costs), step_s, plain_s, depth, lookup_max=self.options.lookup,
+                               max_ngram=MAX_NGRAM)
 
 
 class _Clock:

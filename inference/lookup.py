@@ -18,19 +18,23 @@ import torch
 from .tree import DraftTree
 
 
-def ngram_continuation(ids: Sequence[int], num_tokens: int, max_ngram: int = 3) -> list[int]:
-    """Up to num_tokens tokens that followed the latest earlier occurrence of ids' last n tokens,
-    trying n = max_ngram down to 1; [] when nothing matches."""
+MAX_NGRAM = 3  # longest match tried
+
+
+def ngram_continuation(ids: Sequence[int], num_tokens: int, max_ngram: int = MAX_NGRAM) -> tuple[list[int], int]:
+    """(tokens, n): up to num_tokens tokens that followed the latest earlier occurrence of ids' last n
+    tokens, trying n = max_ngram down to 1; ([], 0) when nothing matches. n says how much to trust
+    them: a three-token match is copied text far more often than a one-token one."""
     if num_tokens <= 0:
-        return []
+        return [], 0
     ids = list(ids)
     end = len(ids)
     for n in range(min(max_ngram, end - 1), 0, -1):
         tail = ids[end - n:]
         for start in range(end - n - 1, -1, -1):  # latest first: recent text predicts best
             if ids[start: start + n] == tail:
-                return ids[start + n: start + n + num_tokens]
-    return []
+                return ids[start + n: start + n + num_tokens], n
+    return [], 0
 
 
 def graft(tree: DraftTree, chains: Sequence[Sequence[int]]) -> DraftTree:

@@ -24,6 +24,12 @@ class DraftTree:
     def size(self) -> int:
         return self.tokens.shape[1]
 
+    @property
+    def is_chain(self) -> bool:
+        """Every row is a chain (the root alone included): its attention is plain causal."""
+        n = self.size
+        return bool((self.parents == torch.arange(-1, n - 1, device=self.parents.device)).all())
+
     @classmethod
     def root_only(cls, root: torch.Tensor) -> "DraftTree":
         """The tree without drafts (root [B]): verifying it is one step of plain decoding."""

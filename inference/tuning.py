@@ -135,13 +135,15 @@ class Planner:
     alone. Every `probe` plain cycles the best tree is verified once anyway, to keep measuring; the
     interval doubles (to `max_probe`) while plain keeps winning.
 
-    N-gram lookup branches (lookup.py) get their own per-position acceptance (decayed, prior
-    `lookup_prior`), and lookup_tokens() sizes the branch to what it is expected to earn.
+    N-gram lookup branches (lookup.py) get their own per-position acceptance for each match length n
+    (decayed, prior `lookup_prior`): in prose a one-token match is mostly noise while a three-token one
+    is often copied text, and one shared rate would cut the long branches short or pay for the noise.
+    lookup_tokens() sizes the branch to what it is expected to earn.
     """
 
     def __init__(self, conf: np.ndarray, node_depth: np.ndarray, verify_cost: tuple[float, float], step_s: float,
                  plain_s: float, max_depth: int, decay: float = 0.9, weight: float = 1.0, max_probe: int = 64,
-                 lookup_max: int = 8, lookup_prior: float = 0.5) -> None:
+                 lookup_max: int = 8, lookup_prior: float = 0.5, max_ngram: int = 3) -> None:
         self.conf, self.node_depth = np.asarray(conf, dtype=float), np.asarray(node_depth)
         self.verify_cost, self.step_s, self.plain_s, self.max_depth = verify_cost, step_s, plain_s, max_depth
         self.decay, self.weight, self.max_probe = decay, weight, max_probe
@@ -149,8 +151,8 @@ class Planner:
         self.obs = np.zeros(max_depth)
         self.probe, self.since_probe = 2, 0
         self.lookup_prior = lookup_prior
-        self.lookup_reached = np.zeros(lookup_max)  # decayed counts per branch position
-        self.lookup_passed = np.zeros(lookup_max)
+        self.lookup_reached = np.zeros((max_ngram, lookup_max))  # decayed counts per (match length n-1, position)
+        self.lookup_passed = np.zeros((max_ngram, lookup_max))
         self.plan = self._plan(plain=True)
 
     def calibration(self) -> np.ndarray:
@@ -195,25 +197,28 @@ class Planner:
         elif not self.plan.plain:
             self.probe = 2
 
-    def lookup_tokens(self, plan: TreePlan) -> int:
-        """How many lookup tokens to graft onto `plan`'s tree: the most expected tokens per second."""
-        if len(self.lookup_reached) == 0:
+    def lookup_tokens(self, plan: TreePlan, ngram: int) -> int:
+        """How many tokens of a lookup branch from an `ngram`-token match to graft onto `plan`'s tree:
+        the most expected tokens per second (0: the branch does not pay)."""
+        if self.lookup_reached.shape[1] == 0 or ngram <= 0:
             return 0
         a, b = self.verify_cost
         w = self.weight
-        rate = (self.lookup_passed + w * self.lookup_prior) / (self.lookup_reached + w)  # P(i+1 | i) per position
+        i = min(ngram, len(self.lookup_reached)) - 1
+        rate = (self.lookup_passed[i] + w * self.lookup_prior) / (self.lookup_reached[i] + w)  # P(j+1 | j) per position
         gain = np.concatenate([[0.0], np.cumsum(np.cumprod(rate))])  # [L+1] expected extra tokens
         n = np.arange(len(gain))
         cost = plan.cycle_s + b * n if not plan.plain else np.where(n == 0, self.plain_s, a + b * (n + 1))
         return int(np.argmax((plan.expected_tokens + gain) / cost))
 
-    def observe_lookup(self, proposed: Sequence[int], accepted: Sequence[int]) -> None:
-        """Per row with a lookup branch: its length and how many of its leading tokens were accepted."""
-        pairs = [(p, a) for p, a in zip(proposed, accepted) if p > 0]
-        if not pairs:
-            return
-        self.lookup_reached *= self.decay
-        self.lookup_passed *= self.decay
-        for p, a in pairs:
-            self.lookup_reached[: min(p, a + 1)] += 1 / len(pairs)
-            self.lookup_passed[: a] += 1 / len(pairs)
+    def observe_lookup(self, proposed: Sequence[int], accepted: Sequence[int], ngrams: Sequence[int]) -> None:
+        """Per row with a lookup branch: its length, how many of its leading tokens were accepted, and the
+        length of the match it came from."""
+        rows = [(p, a, min(n, len(self.lookup_reached)) - 1) for p, a, n in zip(proposed, accepted, ngrams) if p > 0]
+        for i in {i for _, _, i in rows}:
+            self.lookup_reached[i] *= self.decay
+            self.lookup_passed[i] *= self.decay
+        for p, a, i in rows:
+            share = 1 / sum(1 for *_, j in rows if j == i)
+            self.lookup_reached[i, : min(p, a + 1)] += share
+            self.lookup_passed[i, : a] += share

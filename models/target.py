@@ -13,13 +13,13 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import json
 from dataclasses import dataclass
 from typing import Sequence
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from transformers import AutoTokenizer, DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 
@@ -78,8 +78,8 @@ class CpuLinear:
         self.module = module
         self.row_copy = row_copy
         self._key: tuple | None = None
-        self._weight_t: torch.Tensor | None = None  # [in, out] contiguous (row_copy only)
-        self._packed: torch.Tensor | None = None  # oneDNN layout of the [out, in] weight
+        self.weight_t: torch.Tensor | None = None  # [in, out] contiguous (row_copy only)
+        self.packed: torch.Tensor | None = None  # oneDNN layout of the [out, in] weight
 
     def applies(self) -> bool:
         m = self.module
@@ -91,39 +91,50 @@ class CpuLinear:
                 # hooks (accelerate offloading, user hooks) expect the module to be called
                 and not (m._forward_hooks or m._forward_pre_hooks or "forward" in vars(m)))
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fast(x) if self.applies() else self.module(x)
-
-    def fast(self, x: torch.Tensor) -> torch.Tensor:
-        """The kernel itself; only valid where `applies()` said so."""
-        w, bias = self.module.weight, self.module.bias
-        x2 = x.reshape(-1, x.shape[-1])  # [M, in]
-        if x2.shape[0] == 1 and not self.row_copy:
-            return F.linear(x, w, bias)
+    def prepare(self) -> None:
+        """Build the copies, or rebuild them if the weight changed since."""
+        w = self.module.weight
         key = (w.data_ptr(), w._version, w.shape)
         if key != self._key:
-            self._weight_t = w.detach().t().contiguous() if self.row_copy else None
-            self._packed = torch.ops.mkldnn._reorder_linear_weight(w.detach(), None)
+            self.weight_t = w.detach().t().contiguous() if self.row_copy else None
+            self.packed = torch.ops.mkldnn._reorder_linear_weight(w.detach(), None)
             self._key = key
-        if x2.shape[0] == 1:
-            y = x2 @ self._weight_t if bias is None else torch.addmm(bias, x2, self._weight_t)
-        else:
-            y = torch.ops.mkldnn._linear_pointwise(x2.contiguous(), self._packed, bias, "none", [], "")
-        return y.reshape(*x.shape[:-1], y.shape[-1])
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.applies():
+            return self.module(x)
+        bias = self.module.bias
+        rows = x.reshape(-1, x.shape[-1])  # [M, in]
+        if len(rows) == 1 and not self.row_copy:
+            return self.module(x)
+        self.prepare()
+        if len(rows) == 1:
+            y = rows @ self.weight_t if bias is None else torch.addmm(bias, rows, self.weight_t)
+            return y.reshape(*x.shape[:-1], y.shape[-1])
+        return _packed_linear(x, self.packed, bias)
+
+
+_PACKED = torch.ops.mkldnn._linear_pointwise.default if torch.backends.mkldnn.is_available() else None
 
 
 @contextlib.contextmanager
-def cpu_linears(linears: Sequence[CpuLinear]):
-    """Run the layers' own calls through their CpuLinear kernels for the duration of the block: the
-    model's code is untouched, only the bound forward of each applicable instance is shadowed."""
-    active = [lin for lin in linears if lin.applies()]
+def cpu_linears(linears: Sequence[CpuLinear], rows: int):
+    """Run the layers' own calls through their prepacked weights for the duration of the block when
+    they see more than one row: the model's code is untouched, only the bound forward of each
+    applicable instance is shadowed (one row keeps F.linear, the fastest there)."""
+    active = [lin for lin in linears if lin.applies()] if rows > 1 else []
     for lin in active:
-        lin.module.forward = lin.fast
+        lin.prepare()
+        lin.module.forward = functools.partial(_packed_linear, packed=lin.packed, bias=lin.module.bias)
     try:
         yield
     finally:
         for lin in active:
             del lin.module.forward
+
+
+def _packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return _PACKED(x, packed, bias, "none", [], "")
 
 
 class Target(nn.Module):
@@ -208,7 +219,7 @@ class Target(nn.Module):
             if i < self.num_layers:
                 hooks.append(self._layers[i].register_forward_pre_hook(_capture(captured, i), with_kwargs=True))
         try:
-            with cpu_linears(self._linears):
+            with cpu_linears(self._linears, b * t):
                 out = self.model.get_decoder()(
                     input_ids=input_ids,
                     attention_mask=attention_mask,
@@ -231,16 +242,23 @@ class Target(nn.Module):
 
     @staticmethod
     def keep_cache(cache: DynamicCache, index: torch.Tensor) -> None:
-        """Keep only cache positions `index` [B, L'] (per row, ascending), e.g. prefix + accepted path."""
+        """Keep only cache positions `index` [B, L'] (per row, ascending), e.g. prefix + accepted path.
+
+        Columns that stay in place (the prefix) are not copied: only the tail is gathered, written
+        over its new place and the rest cut off, so a cycle costs its tree, not the whole context."""
+        n = index.shape[1]
+        moved = (index != torch.arange(n, device=index.device)).any(0)  # [L']
+        first = int(moved.nonzero()[0]) if bool(moved.any()) else n
         for layer in cache.layers:
             if getattr(layer, "keys", None) is None or layer.keys.numel() == 0:
                 continue
-            k = layer.keys
-            idx = index.to(k.device)[:, None, :, None].expand(-1, k.shape[1], -1, k.shape[3])
-            layer.keys = k.gather(2, idx)
-            layer.values = layer.values.gather(2, idx)
+            k, v = layer.keys, layer.values
+            if first < n:
+                idx = index[:, None, first:, None].to(k.device).expand(-1, k.shape[1], -1, k.shape[3])
+                k[:, :, first:n], v[:, :, first:n] = k.gather(2, idx), v.gather(2, idx)  # gathered before written
             if hasattr(layer, "cumulative_length"):  # sliding-window layers count tokens seen
-                layer.cumulative_length -= k.shape[2] - index.shape[1]
+                layer.cumulative_length -= k.shape[2] - n
+            layer.keys, layer.values = k[:, :, :n], v[:, :, :n]
 
     # ---- loading -----------------------------------------------------------------------------
     @classmethod

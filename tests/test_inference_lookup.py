@@ -12,10 +12,11 @@ from tiny import tiny_target
 
 def test_ngram_continuation_prefers_the_longest_latest_match():
     ids = [1, 2, 3, 9, 9, 2, 3, 7, 8, 5, 2, 3]
-    assert ngram_continuation(ids, 2) == [7, 8]  # "2 3" last seen before 7 8 (latest wins over 9 9)
-    assert ngram_continuation(ids + [4], 3) == []  # "4" never occurred before
-    assert ngram_continuation([5, 1, 2, 6, 1, 2], 2, max_ngram=2) == [6, 1]
-    assert ngram_continuation([1, 2, 3], 0) == [] and ngram_continuation([1], 4) == []
+    assert ngram_continuation(ids, 2) == ([7, 8], 2)  # "2 3" last seen before 7 8 (latest wins over 9 9)
+    assert ngram_continuation(ids + [4], 3) == ([], 0)  # "4" never occurred before
+    assert ngram_continuation([5, 1, 2, 6, 1, 2], 2, max_ngram=2) == ([6, 1], 2)
+    assert ngram_continuation([5, 1, 2, 6, 1, 2], 2, max_ngram=1) == ([6, 1], 1)
+    assert ngram_continuation([1, 2, 3], 0) == ([], 0) and ngram_continuation([1], 4) == ([], 0)
 
 
 def _tree(rows):
@@ -56,3 +57,22 @@ def test_lookup_keeps_greedy_identity_and_earns_tokens_on_repetitive_text(arch):
         assert res.tokens == ref
         taus[lookup] = res.stats.mean_accepted
     assert taus[8] > taus[0], taus
+
+
+def test_planner_sizes_lookup_branches_by_the_match_length_they_came_from():
+    import numpy as np
+
+    from eyas.inference.tuning import Planner
+
+    # a weak head (plain decoding wins) on a machine where each extra verified token costs 5% of a forward
+    planner = Planner(np.full(4, 0.05), np.array([1, 1, 2, 2]), verify_cost=(1.0, 0.05), step_s=0.01,
+                      plain_s=1.0, max_depth=2, lookup_max=8)
+    plan = planner.next()
+    assert plan.plain
+    prior = [planner.lookup_tokens(plan, n) for n in (1, 2, 3)]
+    assert prior[0] == prior[1] == prior[2] > 0  # nothing observed yet: every match length alike
+    for _ in range(30):  # one-token matches are rejected at once, three-token ones copied to the end
+        planner.observe_lookup([8, 8], [0, 8], [1, 3])
+    one, three = planner.lookup_tokens(plan, 1), planner.lookup_tokens(plan, 3)
+    assert one == 0 and three == 8
+    assert planner.lookup_tokens(plan, 2) == prior[1]  # a match length never seen keeps its prior

@@ -126,14 +126,15 @@ def test_logit_projection_falls_back_to_the_module_outside_cpu_fp32():
 def test_decoder_linears_run_through_eyas_kernels_with_unchanged_results(arch):
     target = tiny_target(arch)
     linears = target._linears
-    assert linears and all(lin.applies() == torch.backends.mkldnn.is_available() for lin in linears)
+    packing = torch.backends.mkldnn.is_available()
+    assert linears and all(lin.applies() == packing for lin in linears)
+    shadowed = []  # seen from inside the forward: are the layers' own calls routed through eyas's kernel?
+    target._layers[0].register_forward_pre_hook(
+        lambda module, args: shadowed.append(all("forward" in vars(lin.module) for lin in linears)))
     ids = torch.randint(4, 300, (2, 6))
     fast = target(ids, layer_ids=(1,))
-    called = []
-    for lin in linears:  # the kernel is what the layers ran: count its calls
-        lin.fast = (lambda f: lambda x: called.append(1) or f(x))(lin.fast)
-    target(ids)
-    assert len(called) == (len(linears) if torch.backends.mkldnn.is_available() else 0)
+    target(ids[:1, :1])  # one row: F.linear is the fastest there, nothing is shadowed
+    assert shadowed == [packing, False]
     assert not any("forward" in vars(lin.module) for lin in linears)  # restored after the call
     target._linears = []
     plain = target(ids, layer_ids=(1,))
