@@ -74,9 +74,10 @@ class CpuLinear:
     module itself runs, so every target still works unmodified.
     """
 
-    def __init__(self, module: nn.Module, row_copy: bool = False) -> None:
+    def __init__(self, module: nn.Module, row_copy: bool = False, enabled: bool = True) -> None:
         self.module = module
         self.row_copy = row_copy
+        self.enabled = enabled
         self._key: tuple | None = None
         self.weight_t: torch.Tensor | None = None  # [in, out] contiguous (row_copy only)
         self.packed: torch.Tensor | None = None  # oneDNN layout of the [out, in] weight
@@ -84,6 +85,8 @@ class CpuLinear:
     def applies(self) -> bool:
         m = self.module
         w = getattr(m, "weight", None)
+        if not self.enabled:
+            return False
         # Sharded weights (DeepSpeed ZeRO-3, FSDP2) are only whole inside the module's own call.
         return (type(m) is nn.Linear and w is not None and w.device.type == "cpu"
                 and w.dtype == torch.float32 and torch.backends.mkldnn.is_available()
@@ -140,7 +143,10 @@ def _packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | N
 class Target(nn.Module):
     """Frozen wrapper; never trained, never holds gradients."""
 
-    def __init__(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase | None, name_or_path: str) -> None:
+    def __init__(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase | None, name_or_path: str,
+                 prepack: bool = True) -> None:
+        """prepack: on CPU fp32, compute with eyas's copies of the linear weights (`CpuLinear`: faster
+        multi-token verifies for one extra copy of the weights in memory); False runs the modules as they are."""
         super().__init__()
         model.eval().requires_grad_(False)
         self.model = model
@@ -152,8 +158,8 @@ class Target(nn.Module):
         self.num_layers: int = text.num_hidden_layers
         self._layers = _decoder_layers(model)
         self._fingerprint: str | None = None
-        self.logit_projection = CpuLinear(self.lm_head, row_copy=True)  # used for every logit eyas computes
-        self._linears = [CpuLinear(m) for m in self._layers.modules() if type(m) is nn.Linear]
+        self.logit_projection = CpuLinear(self.lm_head, row_copy=True, enabled=prepack)  # every logit eyas computes
+        self._linears = [CpuLinear(m, enabled=prepack) for m in self._layers.modules() if type(m) is nn.Linear]
 
     # ---- identity and borrowed modules ----------------------------------------------------------
     @property
@@ -262,12 +268,13 @@ class Target(nn.Module):
 
     # ---- loading -----------------------------------------------------------------------------
     @classmethod
-    def load(cls, spec: str, dtype: str | torch.dtype = "fp32", device: str | torch.device = "cpu") -> "Target":
+    def load(cls, spec: str, dtype: str | torch.dtype = "fp32", device: str | torch.device = "cpu",
+             prepack: bool = True) -> "Target":
         """From a local HF folder, a `.gguf` file, the alias `smollm2-135m`, or a hub id."""
         from .loading import load_model_and_tokenizer
 
         model, tokenizer, name = load_model_and_tokenizer(spec, resolve_dtype(dtype))
-        return cls(model.to(device), tokenizer, name)
+        return cls(model.to(device), tokenizer, name, prepack=prepack)
 
 
 def _capture(store: dict[int, torch.Tensor], i: int):

@@ -1,6 +1,7 @@
 import pytest
 import torch
 
+from eyas.models import Target
 from eyas.models.masks import causal_allowed
 from tiny import FIXTURES, tiny_target
 
@@ -136,8 +137,10 @@ def test_decoder_linears_run_through_eyas_kernels_with_unchanged_results(arch):
     target(ids[:1, :1])  # one row: F.linear is the fastest there, nothing is shadowed
     assert shadowed == [packing, False]
     assert not any("forward" in vars(lin.module) for lin in linears)  # restored after the call
-    target._linears = []
-    plain = target(ids, layer_ids=(1,))
+    as_is = Target(target.model, target.tokenizer, "as-is", prepack=False)  # the same weights, modules as they are
+    assert not any(lin.applies() for lin in as_is._linears) and not as_is.logit_projection.applies()
+    plain = as_is(ids, layer_ids=(1,))
+    assert shadowed[-1] is False  # nothing was shadowed this time
     torch.testing.assert_close(fast.features, plain.features, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(fast.logits, plain.logits, rtol=1e-5, atol=1e-5)
 
