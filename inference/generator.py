@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Iterator, Sequence, Union
+from typing import TYPE_CHECKING, Iterator, Sequence, Union
 
 import torch
 
@@ -22,6 +22,9 @@ from .acceptance import Sampling, Verifier, accept, target_tokens, verify
 from .drafter import DraftContext, Drafter, DynamicExpansion, HeadDrafter, TreeOptions
 from .lookup import MAX_NGRAM, accepted_prefix, graft, ngram_continuation
 from .tree import DraftTree, tree_attention
+
+if TYPE_CHECKING:
+    from .tuning import TreePlan
 
 Prompt = Union[Sequence[int], torch.Tensor, str, Sequence[dict]]
 
@@ -268,7 +271,7 @@ class SpeculativeGenerator:
         for st in stats:
             st.total_time_s = total
 
-    def _lookup(self, plan, histories: list[list[int]]) -> tuple[list[list[int]], list[int]]:
+    def _lookup(self, plan: TreePlan | None, histories: list[list[int]]) -> tuple[list[list[int]], list[int]]:
         """Per row the n-gram branch to graft (maybe empty) and the length of the match it came from."""
         limit = self.options.lookup
         if self.planner is not None:  # no branch pays from any match: no search at all

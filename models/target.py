@@ -83,10 +83,10 @@ class CpuLinear:
         self.packed: torch.Tensor | None = None  # oneDNN layout of the [out, in] weight
 
     def applies(self) -> bool:
-        m = self.module
-        w = getattr(m, "weight", None)
         if not self.enabled:
             return False
+        m = self.module
+        w = getattr(m, "weight", None)
         # Sharded weights (DeepSpeed ZeRO-3, FSDP2) are only whole inside the module's own call.
         return (type(m) is nn.Linear and w is not None and w.device.type == "cpu"
                 and w.dtype == torch.float32 and torch.backends.mkldnn.is_available()
