@@ -273,15 +273,13 @@ class SpeculativeGenerator:
 
     def _lookup(self, plan: TreePlan | None, histories: list[list[int]]) -> tuple[list[list[int]], list[int]]:
         """Per row the n-gram branch to graft (maybe empty) and the length of the match it came from."""
-        limit = self.options.lookup
-        if self.planner is not None:  # no branch pays from any match: no search at all
-            limit = min(limit, max(self.planner.lookup_tokens(plan, n) for n in range(1, MAX_NGRAM + 1)))
-        if limit == 0:  # the search is a Python scan over the whole history
+        # branch length per match length n (index n; no match, n = 0, gets none)
+        sizes = [0] + [self.options.lookup if self.planner is None else
+                       min(self.options.lookup, self.planner.lookup_tokens(plan, n)) for n in range(1, MAX_NGRAM + 1)]
+        if max(sizes) == 0:  # no branch pays from any match: skip the search, a Python scan over the history
             return [], []
-        found = [ngram_continuation(h, limit, MAX_NGRAM) for h in histories]
-        if self.planner is not None:
-            found = [(c[: self.planner.lookup_tokens(plan, n)], n) for c, n in found]
-        return [c for c, _ in found], [n for _, n in found]
+        found = [ngram_continuation(h, max(sizes), MAX_NGRAM) for h in histories]
+        return [c[: sizes[n]] for c, n in found], [n for _, n in found]
 
     def _tune(self, cache, ctx: DraftContext, next_pos: torch.Tensor) -> None:
         """Time target forwards per size and one large draft tree: the cost model and prior of the Planner."""
@@ -296,8 +294,7 @@ class SpeculativeGenerator:
         tree = probe.draft(ctx)  # every candidate node, in creation order: same depth at the same index in every row
         step_s = (time.perf_counter() - t0) / depth
         self.planner = Planner(tree.scores[:, 1:].float().exp().mean(0).cpu().numpy(), tree.depth[0, 1:].cpu().numpy(),
-                               fit_cost(costs), step_s, plain_s, depth, lookup_max=self.options.lookup,
-                               max_ngram=MAX_NGRAM)
+                               fit_cost(costs), step_s, plain_s, depth, lookup_max=self.options.lookup)
 
 
 class _Clock:

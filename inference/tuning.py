@@ -19,6 +19,7 @@ the Planner re-plans every cycle from the acceptance it observes (per-depth cali
 from __future__ import annotations
 
 import time
+from collections import Counter
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -27,6 +28,7 @@ import torch
 
 from eyas.models import Target
 
+from .lookup import MAX_NGRAM
 from .tree import tree_attention
 
 SIZES = (1, 2, 4, 8, 16, 32)  # tokens per target forward that are timed: 1 = plain decoding, a tree verify >= 2
@@ -143,7 +145,7 @@ class Planner:
 
     def __init__(self, conf: np.ndarray, node_depth: np.ndarray, verify_cost: tuple[float, float], step_s: float,
                  plain_s: float, max_depth: int, decay: float = 0.9, weight: float = 1.0, max_probe: int = 64,
-                 lookup_max: int = 8, lookup_prior: float = 0.5, max_ngram: int = 3) -> None:
+                 lookup_max: int = 8, lookup_prior: float = 0.5, max_ngram: int = MAX_NGRAM) -> None:
         self.conf, self.node_depth = np.asarray(conf, dtype=float), np.asarray(node_depth)
         self.verify_cost, self.step_s, self.plain_s, self.max_depth = verify_cost, step_s, plain_s, max_depth
         self.decay, self.weight, self.max_probe = decay, weight, max_probe
@@ -215,10 +217,10 @@ class Planner:
         """Per row with a lookup branch: its length, how many of its leading tokens were accepted, and the
         length of the match it came from."""
         rows = [(p, a, min(n, len(self.lookup_reached)) - 1) for p, a, n in zip(proposed, accepted, ngrams) if p > 0]
-        for i in {i for _, _, i in rows}:
+        per_length = Counter(i for *_, i in rows)
+        for i in per_length:
             self.lookup_reached[i] *= self.decay
             self.lookup_passed[i] *= self.decay
         for p, a, i in rows:
-            share = 1 / sum(1 for *_, j in rows if j == i)
-            self.lookup_reached[i, : min(p, a + 1)] += share
-            self.lookup_passed[i, : a] += share
+            self.lookup_reached[i, : min(p, a + 1)] += 1 / per_length[i]
+            self.lookup_passed[i, : a] += 1 / per_length[i]
