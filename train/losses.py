@@ -56,9 +56,13 @@ def soft_cross_entropy(logits: torch.Tensor, target_logits: torch.Tensor) -> tor
     return _cross_entropy(logits.flatten(0, -2), probs).view(logits.shape[:-1])
 
 
-def _cross_entropy(logits: torch.Tensor, probs: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
-    """logits [N, V] against probs[rows] (probs [P, V], rows [N]; None: probs is [N, V]) -> [N]."""
-    return _SoftCrossEntropy.apply(logits.float(), probs, rows)
+def _cross_entropy(logits: torch.Tensor, probs: torch.Tensor, rows: torch.Tensor | None = None,
+                   consume: bool = False) -> torch.Tensor:
+    """logits [N, V] against probs[rows] (probs [P, V], rows [N]; None: probs is [N, V]) -> [N].
+    consume: the caller never reads `logits` after the backward pass, which then writes the gradient
+    over it instead of into a fresh [N, V] buffer (on CPU the fresh buffer's page faults cost as much
+    as a pass over it)."""
+    return _SoftCrossEntropy.apply(logits.float(), probs, rows, consume)
 
 
 class _SoftCrossEntropy(torch.autograd.Function):
@@ -71,27 +75,31 @@ class _SoftCrossEntropy(torch.autograd.Function):
     BLOCK = 256  # rows per block: [256, 8192] fp32 = 8 MiB
 
     @staticmethod
-    def forward(ctx, logits: torch.Tensor, probs: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
+    def forward(ctx, logits: torch.Tensor, probs: torch.Tensor, rows: torch.Tensor | None,
+                consume: bool) -> torch.Tensor:
         if probs.requires_grad:
             raise ValueError("soft cross-entropy: the teacher distribution must not require grad")
-        blocks = _blocks(len(logits))
+        blocks = _blocks(len(logits), _SoftCrossEntropy.BLOCK)
         lse = torch.cat([torch.logsumexp(logits[block], dim=-1) for block in blocks])  # [N]
-        dot = torch.cat([torch.linalg.vecdot(_teacher(probs, rows, block), logits[block]) for block in blocks])  # [N] <p, z>
+        # <p, z> per row as a batched [1, V] x [V, 1] product: no [block, V] temporary
+        dot = torch.cat([torch.bmm(_teacher(probs, rows, block)[:, None], logits[block, :, None]).view(-1)
+                         for block in blocks])  # [N]
         ctx.save_for_backward(logits, probs, rows, lse)
+        ctx.consume = consume
         return lse - dot
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
         logits, probs, rows, lse = ctx.saved_tensors
-        out = torch.empty_like(logits)  # [N, V]
-        for block in _blocks(len(logits)):
+        out = logits if ctx.consume else torch.empty_like(logits)  # [N, V]
+        for block in _blocks(len(logits), _SoftCrossEntropy.BLOCK):
             o = torch.sub(logits[block], lse[block, None], out=out[block]).exp_()  # softmax(z)
             o.sub_(_teacher(probs, rows, block)).mul_(grad[block, None])
-        return out, None, None
+        return out, None, None, None
 
 
-def _blocks(n: int) -> list[slice]:
-    return [slice(i, i + _SoftCrossEntropy.BLOCK) for i in range(0, n, _SoftCrossEntropy.BLOCK)]
+def _blocks(n: int, size: int) -> list[slice]:
+    return [slice(i, i + size) for i in range(0, n, size)]
 
 
 def _teacher(probs: torch.Tensor, rows: torch.Tensor | None, block: slice) -> torch.Tensor:
@@ -140,9 +148,8 @@ def eagle3_ttt_loss(head: DraftHead, input_ids: torch.Tensor, valid: torch.Tenso
     taught[:, 0] = False  # index 0 is never predicted
     flat = taught.flatten().nonzero().squeeze(1)  # [P]
     teacher_row = taught.flatten().long().cumsum(0).view(b, t) - 1  # [B, T] row of (b, u) in the teacher tables
-    logits_2d = target_logits.flatten(0, 1)  # [B*T, V], a view: no full-vocab copy
-    probs = torch.softmax(logits_2d.index_select(1, head.draft_to_target).index_select(0, flat).float(), dim=-1)  # [P, Dv]
-    target_top = logits_2d.argmax(-1)[flat]  # [P] target ids
+    target_top, restricted = _teacher_rows(target_logits.flatten(0, 1), flat, head.draft_to_target)
+    probs = torch.softmax(restricted.float(), dim=-1)  # [P, Dv]
     in_vocab = head.t2d[target_top]  # [P]
 
     # carries[i][:, t]: step i at index t learns the distribution at t+1+i, which carries loss
@@ -176,8 +183,8 @@ def eagle3_ttt_loss(head: DraftHead, input_ids: torch.Tensor, valid: torch.Tenso
     logits = head.project(torch.cat(picked))  # [sum P_i, Dv]
     teacher = torch.cat(taught_rows)
     sizes = [len(r) for r in taught_rows]
-    ce = _cross_entropy(logits, probs, teacher).split(sizes)
     hit = (head.to_target_ids(logits.argmax(-1)) == target_top[teacher]).split(sizes)
+    ce = _cross_entropy(logits, probs, teacher, consume=True).split(sizes)  # logits are not read after this
     oov = (~in_vocab[teacher]).split(sizes)
     loss = target_logits.new_zeros((), dtype=torch.float32)
     metrics: Metrics = {}
@@ -190,6 +197,18 @@ def eagle3_ttt_loss(head: DraftHead, input_ids: torch.Tensor, valid: torch.Tenso
         metrics[f"count/step{i}"] = count
         metrics[f"oov/step{i}"] = oov[i].sum().float()
     return loss, metrics
+
+
+def _teacher_rows(logits: torch.Tensor, rows: torch.Tensor, columns: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Target logits [N, V] at `rows` [P]: their argmax over the full vocabulary [P] and their logits at
+    `columns` [P, C]. Done in small blocks of rows so each block is read from memory once, for both,
+    and no [P, V] or [N, C] copy is made."""
+    top, cut = [], []
+    for block in _blocks(len(rows), 32):  # [32, 49152] fp32 = 6 MiB
+        full = logits.index_select(0, rows[block])
+        top.append(full.argmax(-1))
+        cut.append(full.index_select(1, columns))
+    return torch.cat(top), torch.cat(cut)
 
 
 class DistillationLoss(nn.Module):
