@@ -82,10 +82,15 @@ class HeadCache:
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                mask: torch.Tensor | None) -> torch.Tensor:
         """Append this block's k, v [B, kv_heads, T, D] and attend q [B, heads, T, D] over the whole cache."""
-        if mask is None and len(self) > 0:
+        if mask is None and self.keys[layer] is not None:  # this layer's keys: layer 0 is filled first
             raise ValueError("attention_mask is required when the head cache is not empty")
         k, v = self.update(layer, k, v)
         return attend(q, k, v, mask)
+
+    def outputs(self, layer: int, x: torch.Tensor) -> torch.Tensor:
+        """The rows of layer `layer`'s residual stream x [B, T, H] that go on through its MLP: all of them
+        (TTTCache keeps fewer at step 0)."""
+        return x
 
 
 class TTTCache(HeadCache):
@@ -97,10 +102,15 @@ class TTTCache(HeadCache):
     query row, [kv_heads, P, i, D], scored elementwise and merged with the causal step-0 block in
     one softmax. Steps i >= 1 run as one packed sequence [1, P] of rows ordered by batch element, so
     no compute goes to padding when batch elements keep different numbers of rows.
+
+    Step 0 needs every index's keys/values but only some indices' outputs (those the loss or a later
+    step reads): `step0_rows` [P0] (flat indices b * T + t, ascending) makes the last layer drop the
+    others before its MLP, so step 0 returns hidden [1, P0, H] instead of [B, T, H]. None: all rows.
     """
 
-    def __init__(self, num_layers: int) -> None:
+    def __init__(self, num_layers: int, step0_rows: torch.Tensor | None = None) -> None:
         super().__init__(num_layers)
+        self.step0_rows = step0_rows
         self.chain_keys: list[torch.Tensor | None] = [None] * num_layers
         self.chain_values: list[torch.Tensor | None] = [None] * num_layers
         self.query_index: torch.Tensor | None = None  # [P] sequence index t of each packed row; None at step 0
@@ -113,6 +123,11 @@ class TTTCache(HeadCache):
         for i, k in enumerate(self.chain_keys):
             if k is not None:
                 self.chain_keys[i], self.chain_values[i] = k[:, keep], self.chain_values[i][:, keep]
+
+    def outputs(self, layer: int, x: torch.Tensor) -> torch.Tensor:
+        if self.query_index is not None or self.step0_rows is None or layer < len(self.keys) - 1:
+            return x  # earlier layers: every index's output feeds the next layer's keys/values
+        return x.flatten(0, 1).index_select(0, self.step0_rows)[None]  # [1, P0, H]
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                mask: torch.Tensor | None) -> torch.Tensor:
@@ -178,7 +193,7 @@ class Attention(nn.Module):
         q, k = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
         # mask [B, 1, T, S] additive (0 / -inf); None means plain causal over a cache-free block.
         out = attend(q, k, v, mask) if cache is None else cache.attend(layer_idx, q, k, v, mask)
-        return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
+        return self.o_proj(out.transpose(1, 2).flatten(2))  # [B, T, H]; flatten, not view(b, t, -1): T may be 0
 
 
 class MLP(nn.Module):
@@ -224,4 +239,6 @@ class DecoderLayer(nn.Module):
         else:
             attn_in = self.input_layernorm(x) if self.input_layernorm is not None else x
         x = x + self.self_attn(attn_in, rope, mask, cache, layer_idx)
+        if cache is not None:
+            x = cache.outputs(layer_idx, x)  # TTT step 0: the MLP runs only where the output is read
         return x + self.mlp(self.post_attention_layernorm(x))

@@ -198,15 +198,18 @@ def _grads(head):
     return {k: p.grad.clone() for k, p in head.named_parameters() if p.grad is not None}
 
 
-@pytest.mark.parametrize("head_type", ["eagle3", "eagle1"])
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])
-def test_optimised_loss_and_gradients_equal_the_reference(head_type, arch):
+@pytest.mark.parametrize("head_type, arch, layers", [("eagle3", "llama", 1), ("eagle3", "qwen2", 1), ("eagle3", "llama", 2),
+                                                     ("eagle1", "llama", 1), ("eagle1", "qwen2", 1)])
+def test_optimised_loss_and_gradients_equal_the_reference(head_type, arch, layers):
     """Loss, metrics and every gradient match the every-index reference, with prompt/assistant/padding
-    masks that leave some rows without loss at late steps and one row without any loss."""
+    masks that leave some rows without loss at late steps, indices at the end that lead to no loss
+    (trimmed), step-0 rows that only leave keys/values, and one row without any loss. With two
+    layers the first one must still run at every index (the second reads its keys/values)."""
     target = tiny_target(arch)
     torch.manual_seed(0)
     eagle3 = head_type == "eagle3"
-    head = DraftHead(head_config_for(target, head_type, draft_vocab_size=64 if eagle3 else None), target)
+    config = head_config_for(target, head_type, draft_vocab_size=64 if eagle3 else None, num_layers=layers)
+    head = DraftHead(config, target)
     if eagle3:
         head.set_vocab_map(torch.arange(0, 128, 2))
     ids = torch.randint(4, 300, (3, 14))
@@ -232,3 +235,16 @@ def test_optimised_loss_and_gradients_equal_the_reference(head_type, arch):
     assert grads.keys() == ref_grads.keys() and len(grads) == len(list(head.parameters()))
     for k in grads:
         assert torch.allclose(grads[k], ref_grads[k], rtol=1e-4, atol=1e-6), (k, (grads[k] - ref_grads[k]).abs().max())
+
+
+def test_ttt_loss_without_any_loss_position_is_zero(setup):
+    """A micro-batch of prompt tokens only (nothing to learn) gives a zero loss and zero gradients
+    instead of failing on empty step rows."""
+    target, head, ids, out = setup
+    valid = torch.zeros_like(ids, dtype=torch.bool)
+    valid[:, 0] = True  # index 0 is never predicted
+    loss, m = eagle3_ttt_loss(head, ids, valid, out.features, out.logits, LossConfig(ttt_steps=3))
+    head.zero_grad()
+    loss.backward()
+    assert loss.item() == 0 and all(m[f"count/step{i}"].item() == 0 for i in range(3))
+    assert all(p.grad is None or not p.grad.any() for p in head.parameters())

@@ -99,7 +99,8 @@ class _SoftCrossEntropy(torch.autograd.Function):
 
 
 def _blocks(n: int, size: int) -> list[slice]:
-    return [slice(i, i + size) for i in range(0, n, size)]
+    """Slices of `size` rows covering n rows; one empty slice when n == 0, so the results concatenate."""
+    return [slice(i, i + size) for i in range(0, max(n, 1), size)]
 
 
 def _teacher(probs: torch.Tensor, rows: torch.Tensor | None, block: slice) -> torch.Tensor:
@@ -156,26 +157,33 @@ def eagle3_ttt_loss(head: DraftHead, input_ids: torch.Tensor, valid: torch.Tenso
     shifted = torch.cat([valid[:, 1:], valid.new_zeros(b, steps)], dim=1)  # [B, n + steps]
     carries = torch.stack([shifted[:, i:i + n] for i in range(steps)])  # [K, B, n]
     needed = carries.flip(0).cumsum(0, dtype=torch.int32).flip(0) > 0  # step i still leads to a loss
+    # Attention is causal, so indices after the last one that leads to a loss (trailing padding, a
+    # last turn without loss) are read by nobody: drop them. The feature noise is drawn at full length
+    # so it equals what every-index evaluation draws.
+    hidden = feature_noise(head.fuse(target_features[:, :n]), config.feature_noise)  # [B, n, H]
+    n = max(int(needed[0].any(0).nonzero().max()) + 1 if needed[0].any() else 1, 1)
+    carries, needed, hidden = carries[..., :n], needed[..., :n], hidden[:, :n]
 
-    # Rows are flat (b, t) -> b * n + t. Step 0 runs batched over every index [B, n] (causal); step i >= 1
-    # runs packed as one sequence [1, P_i] over the rows that still lead to a loss (no padding between
-    # batch rows; the TTTCache keeps each row's attention within its own batch element).
-    hidden = feature_noise(head.fuse(target_features[:, :n]), config.feature_noise).flatten(0, 1)  # [B*n, H]
+    # Rows are flat (b, t) -> b * n + t. Step 0 runs batched over every index [B, n] (causal): all of
+    # them leave keys/values, but the last layer's MLP runs only at the rows that lead to a loss
+    # (TTTCache.step0_rows). Step i >= 1 runs packed as one sequence [1, P_i] over the rows that
+    # still lead to a loss (no padding between batch rows; the TTTCache keeps each row's attention
+    # within its own batch element).
     t_of = torch.arange(n, device=input_ids.device).repeat(b)  # [B*n] index t of each flat row
     b_of = torch.arange(b, device=input_ids.device).repeat_interleave(n)  # [B*n] its batch element
-    rows = torch.arange(b * n, device=input_ids.device)  # [P_i] flat rows of this step, ascending
-    cache = TTTCache(head.config.num_layers)
+    rows = needed[0].flatten().nonzero().squeeze(1)  # [P_i] flat rows of this step, ascending
+    cache = TTTCache(head.config.num_layers, step0_rows=rows)
+    ids, positions = input_ids[:, 1:n + 1], t_of.view(b, n)  # step 0: token t+1 at every index
     picked, taught_rows = [], []  # per step: hidden [P'_i, H] of the rows with loss there, their teacher rows
     for i in range(steps):
+        at, bat = t_of[rows], b_of[rows]  # [P_i]
         if i > 0:  # needed[i] is a subset of needed[i-1]: keep those rows, feed back their hidden
             keep = needed[i].flatten()[rows]  # [P_{i-1}] bool
-            rows, hidden = rows[keep], hidden[keep]
-            cache.next_step(t_of[rows], b_of[rows].bincount(minlength=b).tolist(), keep)
-        at, bat = t_of[rows], b_of[rows]  # [P_i]
-        shape = (b, n) if i == 0 else (1, len(rows))
-        ids = input_ids[bat, at + 1 + i]  # teacher forcing: token t+1+i (inside the sequence for needed rows)
-        out = head(ids.view(shape), hidden.view(*shape, -1), (at + i).view(shape), None, cache, logits=False)
-        hidden = out.hidden.flatten(0, 1)  # [P_i, H]
+            rows, hidden, at, bat = rows[keep], hidden[keep], at[keep], bat[keep]
+            cache.next_step(at, bat.bincount(minlength=b).tolist(), keep)
+            # teacher forcing: token t+1+i (inside the sequence for needed rows)
+            ids, positions, hidden = input_ids[bat, at + 1 + i][None], (at + i)[None], hidden[None]
+        hidden = head(ids, hidden, positions, None, cache, logits=False).hidden.flatten(0, 1)  # [P_i, H]
         sel = carries[i].flatten()[rows]  # [P_i] rows with loss at this step
         picked.append(hidden[sel])
         taught_rows.append(teacher_row[bat, at + 1 + i][sel])
