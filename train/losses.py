@@ -59,18 +59,19 @@ def soft_cross_entropy(logits: torch.Tensor, target_logits: torch.Tensor) -> tor
 def _cross_entropy(logits: torch.Tensor, probs: torch.Tensor, rows: torch.Tensor | None = None,
                    consume: bool = False) -> torch.Tensor:
     """logits [N, V] against probs[rows] (probs [P, V], rows [N]; None: probs is [N, V]) -> [N].
-    consume: the caller never reads `logits` after the backward pass, which then writes the gradient
-    over it instead of into a fresh [N, V] buffer (on CPU the fresh buffer's page faults cost as much
-    as a pass over it)."""
+    consume: the caller no longer reads `logits` (fp32) after this call, so they are overwritten (by
+    exp(z - max z), then by the gradient) instead of a fresh [N, V] buffer being made."""
     return _SoftCrossEntropy.apply(logits.float(), probs, rows, consume)
 
 
 class _SoftCrossEntropy(torch.autograd.Function):
     """Soft CE with few passes over the [N, V] logits: CE = logsumexp(z) - <p, z> (p sums to 1),
-    dCE/dz = softmax(z) - p, in blocks of rows so the temporaries stay small (on CPU a fresh [N, V]
-    buffer costs as much as a pass over it). Autograd through log_softmax, a product, a sum and an
-    indexed copy of the teacher rows cost about twice as much (profiled: ~10% of the EAGLE-3 head
-    step). The teacher distribution gets no gradient."""
+    dCE/dz = softmax(z) - p. The forward keeps e = exp(z - max z) and its row sums s, so the backward
+    is two in-place passes, g * e / s - g * p, over that same buffer, which becomes the gradient. In
+    blocks of rows so the teacher rows gathered per block stay small, and with no fresh [N, V]
+    temporary (on CPU a fresh buffer's page faults cost as much as a pass over it). Autograd through
+    log_softmax, a product, a sum and an indexed copy of the teacher rows cost about twice as much
+    (profiled: ~10% of the EAGLE-3 head step). The teacher distribution gets no gradient."""
 
     BLOCK = 256  # rows per block: [256, 8192] fp32 = 8 MiB
 
@@ -79,23 +80,27 @@ class _SoftCrossEntropy(torch.autograd.Function):
                 consume: bool) -> torch.Tensor:
         if probs.requires_grad:
             raise ValueError("soft cross-entropy: the teacher distribution must not require grad")
-        blocks = _blocks(len(logits), _SoftCrossEntropy.BLOCK)
-        lse = torch.cat([torch.logsumexp(logits[block], dim=-1) for block in blocks])  # [N]
-        # <p, z> per row as a batched [1, V] x [V, 1] product: no [block, V] temporary
-        dot = torch.cat([torch.bmm(_teacher(probs, rows, block)[:, None], logits[block, :, None]).view(-1)
-                         for block in blocks])  # [N]
-        ctx.save_for_backward(logits, probs, rows, lse)
-        ctx.consume = consume
-        return lse - dot
+        exp = logits if consume else torch.empty_like(logits)  # [N, V]
+        ce, sums = [], []
+        for block in _blocks(len(logits), _SoftCrossEntropy.BLOCK):
+            z, e = logits[block], exp[block]
+            # <p, z> as a batched [1, V] x [V, 1] product (no [block, V] temporary), before z is overwritten
+            dot = torch.bmm(_teacher(probs, rows, block)[:, None], z[:, :, None]).view(-1)
+            top = z.amax(-1, keepdim=True)
+            s = torch.sub(z, top, out=e).exp_().sum(-1)
+            ce.append(top.squeeze(1) + s.log() - dot)
+            sums.append(s)
+        ctx.save_for_backward(exp, probs, rows, torch.cat(sums))
+        return torch.cat(ce)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
-        logits, probs, rows, lse = ctx.saved_tensors
-        out = logits if ctx.consume else torch.empty_like(logits)  # [N, V]
-        for block in _blocks(len(logits), _SoftCrossEntropy.BLOCK):
-            o = torch.sub(logits[block], lse[block, None], out=out[block]).exp_()  # softmax(z)
-            o.sub_(_teacher(probs, rows, block)).mul_(grad[block, None])
-        return out, None, None, None
+        # The saved buffer is overwritten: a second backward through this graph fails on its version check.
+        exp, probs, rows, sums = ctx.saved_tensors
+        for block in _blocks(len(exp), _SoftCrossEntropy.BLOCK):
+            g = grad[block, None]
+            exp[block].mul_(g / sums[block, None]).addcmul_(_teacher(probs, rows, block), g, value=-1)
+        return exp, None, None, None
 
 
 def _blocks(n: int, size: int) -> list[slice]:
