@@ -215,7 +215,7 @@ def _run(target, head, questions: list[Question], max_new_tokens: int, temperatu
             runs["eyas_plain"] = lambda: one_token(ids, max_new_tokens, seed_i)
         order = list(runs) if i % 2 == 0 else list(reversed(runs))  # alternate who runs first
         done = {name: runs[name]() for name in order}
-        rows.append(_row(q, ids, done, sampling))
+        rows.append(_row(q, ids, done, sampling, gen.head))
         bar.set_postfix_str(_running(rows))
 
     tree = asdict(gen.options)
@@ -277,7 +277,7 @@ def _generation_config(target: Target, max_new_tokens: int, temperature: float, 
                             pad_token_id=pad if pad is not None else eos[0], **sample, **extra)
 
 
-def _row(q: Question, ids: list[int], done: dict[str, Any], sampling: bool) -> dict[str, Any]:
+def _row(q: Question, ids: list[int], done: dict[str, Any], sampling: bool, head: DraftHead) -> dict[str, Any]:
     base_tokens, base_time = done["baseline"]
     res, spec_time = done["spec"]
     stats = res.stats
@@ -293,6 +293,8 @@ def _row(q: Question, ids: list[int], done: dict[str, Any], sampling: bool) -> d
         "drafted": list(stats.drafted),
         "depths": list(stats.depths),
         "exact": None if sampling else list(res.tokens) == base_tokens,
+        # output tokens the head could never have proposed: a ceiling on acceptance set by the draft vocab
+        "out_of_draft_vocab_tokens": int((~head.can_propose(torch.tensor(res.tokens, dtype=torch.long))).sum()),
     }
     if "prompt_lookup" in done:
         pl_tokens, pl_time = done["prompt_lookup"]

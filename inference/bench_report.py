@@ -15,6 +15,9 @@ merged later. Conventions:
 - prompt_lookup_speedup: the prompt-lookup baseline's own speedup over plain generate, on
   the same basis, so it compares directly with `speedup`.
 - engine_overhead_fraction: (total - draft - target) / total, eyas's own wall time.
+- out_of_draft_vocab_fraction: share of eyas's output tokens outside the head's draft vocabulary
+  (EAGLE-3): the head can never propose them, so each one ends its draft path. A high share (in
+  one category, say) means the draft vocab, not the head's training, limits acceptance there.
 - eyas_plain_* (with --eyas-plain): plain one-token decoding through eyas's Target. Its speedup
   over generate is what eyas's faster kernels alone give; `speedup_over_eyas_plain` is what the
   speculation adds on top of them.
@@ -69,6 +72,8 @@ def _summary(rows: Sequence[dict[str, Any]], sampling: bool, positions: int) -> 
         "engine_overhead_fraction": _ratio(engine_time - draft_time - target_time, engine_time),
         "exact_match_fraction": None if sampling else sum(bool(r["exact"]) for r in rows) / len(rows),
     }
+    if all("out_of_draft_vocab_tokens" in r for r in rows):
+        s["out_of_draft_vocab_fraction"] = _ratio(_total(rows, "out_of_draft_vocab_tokens"), spec_tokens)
     if all("prompt_lookup_time_s" in r for r in rows):
         pl_tokens, pl_time = _total(rows, "prompt_lookup_tokens"), _total(rows, "prompt_lookup_time_s")
         pl_same = all(r["baseline_tokens"] == r["prompt_lookup_tokens"] for r in rows)
@@ -113,16 +118,16 @@ def _speedup(base_tokens: float, base_time: float, tokens: float, time: float, s
 def format_table(report: dict[str, Any]) -> str:
     """Per category then overall: tau, tokens/s, speedups, time shares, exactness."""
     lines = [("category", "n", "tau", "base tok/s", "eyas tok/s", "speedup", "lookup x", "draft %", "overhead %",
-              "plain %", "exact")]
+              "plain %", "oov %", "exact")]
     groups = sorted(report["per_category"].items()) + [("overall", report["overall"])]
     for name, s in groups:
         lookup = s.get("prompt_lookup_speedup")
-        exact = s["exact_match_fraction"]
+        exact, oov = s["exact_match_fraction"], s.get("out_of_draft_vocab_fraction")
         lines.append((name, str(s["questions"]), f"{s['tau']:.2f}", f"{s['baseline_tokens_per_s']:.1f}",
                       f"{s['spec_tokens_per_s']:.1f}", f"{s['speedup']:.2f}x",
                       "-" if lookup is None else f"{lookup:.2f}x", f"{100 * s['draft_time_fraction']:.1f}",
                       f"{100 * s['engine_overhead_fraction']:.1f}", f"{100 * s['plain_cycle_fraction']:.0f}",
-                      "-" if exact is None else f"{exact:.2f}"))
+                      "-" if oov is None else f"{100 * oov:.1f}", "-" if exact is None else f"{exact:.2f}"))
     widths = [max(len(line[i]) for line in lines) for i in range(len(lines[0]))]
     out = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(line, widths)))
            for line in lines]

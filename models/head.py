@@ -95,6 +95,12 @@ class DraftHead(nn.Module):
             return draft_ids
         return draft_ids + self.d2t[draft_ids]
 
+    def can_propose(self, target_ids: torch.Tensor) -> torch.Tensor:
+        """Bool, same shape as target_ids: the token is in the draft vocabulary (eagle1: every token is)."""
+        if self.config.head_type != "eagle3":
+            return torch.ones_like(target_ids, dtype=torch.bool)
+        return self.t2d[target_ids.to(self.t2d.device)]
+
     @property
     def draft_to_target(self) -> torch.Tensor:
         """[draft_vocab_size] target id of each draft id."""

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from eyas.inference import bench
+from eyas.inference.acceptance import Sampling
 from eyas.inference.bench import Question, load_questions, run_bench
 from eyas.inference.bench_report import accept_rate_per_position, summarize
 from eyas.models import DraftHead, save_head
@@ -79,6 +80,22 @@ def test_report_has_every_field_per_category_and_overall(tmp_path, pair):
     assert [r["question_id"] for r in rows] == [1, 2, "HumanEval/0"]
     assert all(r["exact"] and r["spec_tokens"] == r["baseline_tokens"] > 0 for r in rows)
     assert all(r["eyas_plain_exact"] and r["eyas_plain_tokens"] == r["baseline_tokens"] for r in rows)
+
+
+def test_out_of_draft_vocab_counts_the_output_tokens_the_head_cannot_propose(tmp_path, pair):
+    target = pair[0]
+    head = DraftHead(head_config_for(target, "eagle3", draft_vocab_size=target.vocab_size // 2), target)
+    head.set_vocab_map(torch.randperm(target.vocab_size, generator=torch.Generator().manual_seed(0))[: target.vocab_size // 2])
+    report = run_bench(target, head, QUESTIONS_AS_OBJECTS, max_new_tokens=16, progress=False, **SMALL_TREE)
+    outside = total = 0
+    for q, row in zip(QUESTIONS_AS_OBJECTS, report["questions"]):
+        # the same greedy output, decoded without the head: which of its tokens the draft vocab lacks
+        tokens = bench.plain_decode(target, bench.prompt_ids(target, q), 16, bench.eos_ids(target), Sampling(), 0)
+        expected = sum(not bool(head.t2d[t]) for t in tokens)
+        assert row["out_of_draft_vocab_tokens"] == expected
+        outside, total = outside + expected, total + len(tokens)
+    assert 0 < outside < total  # the check above saw both kinds of token
+    assert report["overall"]["out_of_draft_vocab_fraction"] == pytest.approx(outside / total)
 
 
 def test_chat_rows_use_the_template_and_prompt_rows_do_not(pair):
