@@ -21,10 +21,10 @@ index that leads to a loss (attention is causal, so later ones are read by nobod
 leaves its keys (later steps attend to them) but the last layer's MLP runs only at the indices that
 lead to a loss; step i >= 1 runs only at the indices that still carry loss at some step >= i (their
 step-i keys are only ever read by their own later steps, so the dropped rows change nothing), packed
-across the batch without padding; the own-chain (eye) attention terms are
-elementwise (TTTCache); the vocabulary projection and the soft CE run only at rows that carry loss
-at that step, in one matmul for all steps; the teacher is cut to the draft vocabulary and the
-loss-carrying rows once, before any step. What remains is matmuls (~80% of the step, profiled on
+across the batch without padding; the own-chain (eye) attention terms are elementwise (TTTCache);
+the vocabulary projection and the soft CE run only at rows that carry loss at that step, in one
+matmul for all steps; the teacher is cut to the draft vocabulary and the loss-carrying rows once,
+before any step. What remains is matmuls (~80% of the step, profiled on
 SmolLM2-135M: ~40% that projection, forward and two backward products of [rows, H] x [H, draft
 vocab], ~35% the layer's own).
 
@@ -169,7 +169,8 @@ def eagle3_ttt_loss(head: DraftHead, input_ids: torch.Tensor, valid: torch.Tenso
     # last turn without loss) are read by nobody: drop them. The feature noise is drawn at full length
     # so it equals what every-index evaluation draws.
     hidden = feature_noise(head.fuse(target_features[:, :n]), config.feature_noise)  # [B, n, H]
-    n = max(int(needed[0].any(0).nonzero().max()) + 1 if needed[0].any() else 1, 1)
+    last = needed[0].any(0).nonzero()  # [L, 1] indices that lead to a loss in some batch element
+    n = int(last.max()) + 1 if len(last) else 1
     carries, needed, hidden = carries[..., :n], needed[..., :n], hidden[:, :n]
 
     # Rows are flat (b, t) -> b * n + t. Step 0 runs batched over every index [B, n] (causal): all of
