@@ -219,9 +219,8 @@ def _run(target, head, questions: list[Question], max_new_tokens: int, temperatu
         bar.set_postfix_str(_running(rows))
 
     tree = asdict(gen.options)
-    if gen.plan is not None:  # what "auto" planned last on this machine (it re-plans every cycle)
-        tree.update(total_tokens_tuned=gen.plan.total_tokens, depth_tuned=gen.plan.depth,
-                    expected_tau_tuned=gen.plan.expected_tokens)
+    if gen.planner is not None:  # "auto": the cost model it measured on this machine
+        tree["cost_model"] = gen.planner.describe()
     report = {"settings": settings(target, head, tree=tree, dtype=dtype, max_new_tokens=max_new_tokens,
                                    temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
                                    prompt_lookup=prompt_lookup, eyas_plain=eyas_plain, eos_token_ids=eos,

@@ -34,8 +34,9 @@ class TreeOptions:
     # dynamic: children per expanded node and nodes expanded per level.
     top_k: int = 4
     # dynamic: draft nodes verified per cycle, or "auto": on the first generate, time target forwards
-    # over 2..32 tokens and one draft, then pick the depth and size with the most expected tokens/s
-    # (tuning.plan_tree). On a CPU that is a few nodes; on a GPU tens.
+    # over 1..32 tokens and a draft step; then every cycle the head drafts as deep, and verifies as many
+    # nodes, as its calibrated confidence says pays on this machine (tuning.Planner). On a CPU that is
+    # a few nodes or none; on a GPU tens.
     total_tokens: int | Literal["auto"] = "auto"
     # static: the tree as child-rank paths from the root (default: a 16-node tree, tree.DEFAULT_PATHS).
     paths: tuple[tuple[int, ...], ...] | None = None
@@ -109,6 +110,10 @@ class Expansion(Protocol):
         """Which of this level's candidates [B, C] are expanded next: index [B, F']."""
         ...
 
+    def expand(self, frontier_scores: torch.Tensor) -> bool:
+        """Draft the next level below these frontier nodes (scores [B, F'])? Before `depth` is reached."""
+        ...
+
     def select(self, scores: torch.Tensor) -> torch.Tensor:
         """Which candidates [B, M] (all levels, in creation order) form the tree: ascending index [B, n]."""
         ...
@@ -128,6 +133,9 @@ class DynamicExpansion:
 
     def frontier(self, level, scores):
         return scores.topk(min(self.top_k, scores.shape[1]), dim=1).indices
+
+    def expand(self, frontier_scores):
+        return True
 
     def select(self, scores):
         # A child never scores above its parent and comes later, so a stable sort keeps parents in.
@@ -167,6 +175,9 @@ class StaticExpansion:
     def frontier(self, level, scores):
         return self._frontier[level].to(scores.device).expand(scores.shape[0], -1)
 
+    def expand(self, frontier_scores):
+        return True
+
     def select(self, scores):
         return torch.arange(scores.shape[1], device=scores.device).expand(scores.shape[0], -1)
 
@@ -178,6 +189,7 @@ class HeadDrafter:
         self.head = head
         self.expansion = expansion
         self.cache: HeadCache | None = None
+        self.candidates: DraftTree | None = None  # the last draft's every candidate, in creation order
 
     def reset(self) -> None:
         self.cache = self.head.new_cache()
@@ -217,6 +229,8 @@ class HeadDrafter:
             if level + 1 == exp.depth:
                 break
             nxt = exp.frontier(level, score)  # [B, F']
+            if not exp.expand(score.gather(1, nxt)):
+                break
             fpar = par.gather(1, nxt)
             fh = hidden.gather(1, fpar[..., None].expand(-1, -1, hidden.shape[-1]))
             f = nxt.shape[1]
@@ -231,8 +245,10 @@ class HeadDrafter:
             frontier_anc = anc
             count += tok.shape[1]
         cache.crop(committed.shape[1])
-        return _build_tree(ctx.tokens[:, -1], exp.select(torch.cat(scores, 1)), torch.cat(tokens, 1),
-                           torch.cat(parents, 1), torch.cat(scores, 1), torch.cat(depths, 1))
+        parts = (torch.cat(tokens, 1), torch.cat(parents, 1), torch.cat(scores, 1), torch.cat(depths, 1))
+        every = torch.arange(parts[0].shape[1], device=dev).expand(b, -1)
+        self.candidates = _build_tree(ctx.tokens[:, -1], every, *parts)
+        return _build_tree(ctx.tokens[:, -1], exp.select(parts[2]), *parts)
 
 
 def _build_tree(root: torch.Tensor, sel: torch.Tensor, tokens: torch.Tensor, parents: torch.Tensor,

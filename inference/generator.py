@@ -14,6 +14,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Iterator, Sequence, Union
 
+import numpy as np
 import torch
 
 from eyas.models import DraftHead, Target
@@ -21,10 +22,10 @@ from eyas.models import DraftHead, Target
 from .acceptance import Sampling, Verifier, accept, target_tokens, verify
 from .drafter import DraftContext, Drafter, DynamicExpansion, HeadDrafter, TreeOptions
 from .lookup import MAX_NGRAM, accepted_prefix, graft, ngram_continuation
-from .tree import DraftTree, tree_attention
+from .tree import DraftTree, on_continuation, tree_attention
 
 if TYPE_CHECKING:
-    from .tuning import TreePlan
+    from .tuning import Planner
 
 Prompt = Union[Sequence[int], torch.Tensor, str, Sequence[dict]]
 
@@ -86,7 +87,7 @@ class SpeculativeGenerator:
         """`drafter` replaces the head drafter (tests use an oracle); `verifier` the acceptance rule (tests bias it)."""
         self.target, self.head = target, head
         self.options = options or TreeOptions()
-        self.planner = None  # tuning.Planner once "auto" is tuned: re-plans the tree every cycle
+        self.planner: Planner | None = None  # once "auto" is tuned: decides each cycle's tree
         self.drafter = drafter or HeadDrafter(head, self.options.expansion())
         self.verifier = verifier
         self.layer_ids = tuple(head.config.fused_layer_ids)
@@ -105,11 +106,6 @@ class SpeculativeGenerator:
         head.bind(target)
         head.to(device=target.device, dtype=target.dtype)
         return cls(target, head, TreeOptions(**tree_options))
-
-    @property
-    def plan(self):
-        """The tuned tree plan now in force (tuning.TreePlan), or None before "auto" is tuned / without it."""
-        return self.planner.plan if self.planner is not None else None
 
     # ---- public API ---------------------------------------------------------------------------
     def generate(self, prompt: Prompt, **kw) -> GenerationResult:
@@ -215,16 +211,17 @@ class SpeculativeGenerator:
                 self.drafter.keep_rows(idx)
                 ctx, next_pos = ctx.rows(idx), next_pos[idx]
                 valid, live, b = ctx.valid, [live[i] for i in keep], len(keep)
-            plan = self.planner.next() if self.planner is not None else None
+            planner = self.planner
             t0 = clock()
-            if plan is not None and plan.plain:  # no tree is expected to pay: verify the root alone
-                tree = DraftTree.root_only(ctx.tokens[:, -1])
-            else:
-                if plan is not None:
-                    self.drafter.expansion = self.options.expansion(plan.total_tokens, plan.depth)
+            drafted = planner is None or planner.should_draft()
+            if drafted:
+                if planner is not None:
+                    self.drafter.expansion = planner.expansion
                 tree = self.drafter.draft(ctx)
+            else:  # drafting does not pay at the moment: verify the root alone, the head skips this cycle
+                tree = DraftTree.root_only(ctx.tokens[:, -1])
             head_nodes = tree.size
-            chains, ngrams = self._lookup(plan, [prompts[j] + rows[j].tokens for j in live])
+            chains, ngrams = self._lookup(head_nodes - 1, [prompts[j] + rows[j].tokens for j in live])
             if any(chains):
                 tree = graft(tree, chains)
             t1 = clock()
@@ -245,20 +242,17 @@ class SpeculativeGenerator:
             feats = self._features(out)
             new = DraftContext(tokens=after, features=feats.gather(1, acc.path[..., None].expand(-1, -1, feats.shape[-1])),
                                positions=next_pos[:, None] + offset.clamp(min=0), valid=torch.cat([valid, offset >= 0], 1))
-            # after a plain cycle the head has not seen ctx yet: it catches up on both at the next draft
-            ctx = ctx.then(new) if head_nodes == 1 else new
+            # a cycle without a draft left ctx unseen by the head: it catches up on both at its next draft
+            ctx = new if drafted else ctx.then(new)
             valid = ctx.valid
             next_pos = next_pos + acc.length
             lengths, depth = acc.length.tolist(), int(tree.depth.max())
-            if self.planner is not None:
-                if head_nodes > 1:  # what the head's own nodes earned: accepted path nodes among them
-                    on_path = ((acc.path > 0) & (acc.path < head_nodes)).sum(1)
-                    self.planner.observe(tree.scores[:, 1:head_nodes].float().exp().cpu().numpy(),
-                                         tree.depth[:, 1:head_nodes].cpu().numpy(), on_path.cpu().numpy())
+            if planner is not None:
+                self._observe(planner, drafted, tree.size - 1, after, acc.length)
                 if any(chains):
                     drafts = [toks[len(toks) - n + 1:] for toks, n in zip(path_tokens.tolist(), lengths)]
-                    self.planner.observe_lookup([len(c) for c in chains],
-                                                [accepted_prefix(c, d) for c, d in zip(chains, drafts)], ngrams)
+                    planner.observe_lookup([len(c) for c in chains],
+                                           [accepted_prefix(c, d) for c, d in zip(chains, drafts)], ngrams)
             for j, toks, n in zip(live, after.tolist(), lengths):
                 rows[j].add(toks[len(toks) - n:])
                 stats[j].accepted.append(n)
@@ -271,18 +265,33 @@ class SpeculativeGenerator:
         for st in stats:
             st.total_time_s = total
 
-    def _lookup(self, plan: TreePlan | None, histories: list[list[int]]) -> tuple[list[list[int]], list[int]]:
-        """Per row the n-gram branch to graft (maybe empty) and the length of the match it came from."""
+    def _observe(self, planner: Planner, drafted: bool, nodes: int, after: torch.Tensor, length: torch.Tensor) -> None:
+        """Tell the planner what the cycle cost and gained, and which of the head's candidates (all it drafted,
+        verified or not) spelled the tokens the target produced (after [B, A], right-aligned, length [B])."""
+        if drafted:
+            cand = self.drafter.candidates
+            on, known = on_continuation(cand, after, length)
+            conf = cand.scores[:, 1:].float().exp()[known[:, 1:]].cpu().numpy()
+            hit = on[:, 1:][known[:, 1:]].cpu().numpy()
+            steps = int(cand.depth.max())  # head forwards: the catch-up, then one per level below the first
+        else:
+            conf = hit = np.zeros(0)
+            steps = 0
+        planner.observe(conf, hit, float(length.float().mean()), planner.cost(nodes, steps))
+
+    def _lookup(self, head_nodes: int, histories: list[list[int]]) -> tuple[list[list[int]], list[int]]:
+        """Per row the n-gram branch to graft (maybe empty) onto a tree of head_nodes draft nodes, and the
+        length of the match it came from."""
         # branch length per match length n (index n; no match, n = 0, gets none)
         sizes = [0] + [self.options.lookup if self.planner is None else
-                       min(self.options.lookup, self.planner.lookup_tokens(plan, n)) for n in range(1, MAX_NGRAM + 1)]
+                       min(self.options.lookup, self.planner.lookup_tokens(head_nodes, n)) for n in range(1, MAX_NGRAM + 1)]
         if max(sizes) == 0:  # no branch pays from any match: skip the search, a Python scan over the history
             return [], []
         found = [ngram_continuation(h, max(sizes), MAX_NGRAM) for h in histories]
         return [c[: sizes[n]] for c, n in found], [n for _, n in found]
 
     def _tune(self, cache, ctx: DraftContext, next_pos: torch.Tensor) -> None:
-        """Time target forwards per size and one large draft tree: the cost model and prior of the Planner."""
+        """Time target forwards per size and one large draft tree: the Planner's cost model."""
         from .tuning import Planner, fit_cost, measure_target_cost
 
         costs = measure_target_cost(self.target, cache, ctx.valid, next_pos)
@@ -290,11 +299,15 @@ class SpeculativeGenerator:
         depth = self.options.depth
         probe = HeadDrafter(self.head, DynamicExpansion(depth, self.options.top_k, total_tokens=1 << 30))
         probe.reset()
-        t0 = time.perf_counter()
-        tree = probe.draft(ctx)  # every candidate node, in creation order: same depth at the same index in every row
-        step_s = (time.perf_counter() - t0) / depth
-        self.planner = Planner(tree.scores[:, 1:].float().exp().mean(0).cpu().numpy(), tree.depth[0, 1:].cpu().numpy(),
-                               fit_cost(costs), step_s, plain_s, depth, lookup_max=self.options.lookup)
+        probe.draft(ctx)  # its catch-up runs over the whole prompt, unlike a cycle's: not timed
+        last = DraftContext(ctx.tokens[:, -1:], ctx.features[:, -1:], ctx.positions[:, -1:],
+                            torch.cat([ctx.valid, ctx.valid[:, -1:]], 1))
+        clock = _Clock(self.target.device)
+        t0 = clock()
+        probe.draft(last)  # a cycle's draft: one accepted token, then depth - 1 levels
+        step_s = (clock() - t0) / depth
+        self.planner = Planner(fit_cost(costs), step_s, plain_s, depth, top_k=self.options.top_k,
+                               lookup_max=self.options.lookup)
 
 
 class _Clock:

@@ -53,6 +53,25 @@ def ancestor_mask(parents: torch.Tensor, max_depth: int) -> torch.Tensor:
     return anc
 
 
+def on_continuation(tree: DraftTree, continuation: torch.Tensor, length: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Which nodes spell the tokens that actually followed the root: (on [B, N], known [B, N]) bool.
+
+    continuation [B, L] right-aligned: the last length[b] entries of row b are the tokens after the root,
+    in order. A node is on it when its path equals the first `depth` of them; its fate is known when
+    its depth is within length, or when an ancestor already differs. The root is on it.
+    """
+    b, n = tree.tokens.shape
+    width = continuation.shape[1]
+    d = tree.depth
+    within = d <= length[:, None]
+    expect = continuation.gather(1, ((width - length)[:, None] + d - 1).clamp(0, width - 1))
+    match = (d == 0) | ~within | (tree.tokens == expect)  # beyond the continuation: undecided, not wrong
+    alive = match
+    for _ in range(int(d.max())):  # alive: the node and all its ancestors match
+        alive = match & alive.gather(1, tree.parents.clamp(min=0))
+    return alive & within, within | ~alive
+
+
 def tree_attention(valid: torch.Tensor, ancestors: torch.Tensor) -> torch.Tensor:
     """valid [B, L] (real tokens in the cache) + ancestors [B, N, N] -> allowed [B, N, L+N]."""
     b, n, _ = ancestors.shape

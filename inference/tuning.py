@@ -1,26 +1,30 @@
-"""`total_tokens="auto"`: pick the draft tree's depth and size from what a cycle costs on this machine.
+"""`total_tokens="auto"`: each cycle's tree chosen from the head's own confidence and what a forward costs here.
 
-EAGLE-2's argument: a cycle drafting to depth d and verifying n draft nodes costs
-draft(d) + verify(n + 1 tokens) and gains tau = 1 + Σ P(node accepted). A node's draft confidence
-(exp of its cumulative log-prob) stands in for its acceptance probability, so the best n nodes
-(depth <= d) of one large probe tree give the expected gain of every smaller tree, and the plan
-is the (d, n) maximising tau / cost. On a CPU a forward's cost grows with its tokens (there is no
-idle parallel hardware to fill), so the best tree is small; on a GPU it is flat up to tens of tokens.
+EAGLE-2's observation: a draft node's confidence (its path probability under the head) predicts whether
+the target will accept it. A cycle that drafts to depth d and verifies n nodes costs d draft steps plus
+a verify forward over n + 1 tokens, and gains 1 + Σ P(node accepted) tokens. So, every cycle:
+- the head drafts level by level while the next level can still pay for itself (its frontier's summed
+  acceptance probability bounds what the level can add);
+- the n candidates with the highest confidence are verified, n chosen to maximise
+  gain - λ * cost, where λ is the tokens per second decoding runs at (a cycle is worth running when it
+  beats what the same seconds earn on average; policy iteration on this rate maximises tokens/s);
+  n = 0 is plain decoding (the root alone, a cheaper forward).
+Confidences are calibrated online (a head is over- or underconfident, and acceptance moves with the
+text): per confidence bin, the decayed share of candidates that lay on the continuation the target
+produced. When drafting itself stops paying (the tree's advantage over plain decoding is worth less
+than a draft step), cycles skip the head and verify the root alone, with a probe draft at doubling
+intervals to notice when that changes.
 
-The verify cost is fitted as a + b * tokens to timings at a few sizes: measured costs on a busy
-machine are noisy, and a two-parameter fit cannot reward a size for a lucky timing. One-token
-forwards are timed apart (CPU kernels for one row differ), because plain decoding is a candidate too:
-when no tree is expected to beat it, a cycle verifies the root alone and runs no draft.
-
-Confidences are only a prior. A weak head is overconfident, and acceptance moves with the text, so
-the Planner re-plans every cycle from the acceptance it observes (per-depth calibration, below).
+The verify cost is fitted as a + b * tokens to timings at a few sizes: measured costs on a busy machine
+are noisy, and a two-parameter fit cannot reward a size for a lucky timing. One-token forwards are
+timed apart (CPU kernels for one row differ). On a GPU the cost is flat up to tens of tokens, so trees
+are large; on a CPU a few nodes.
 """
 
 from __future__ import annotations
 
 import time
 from collections import Counter
-from dataclasses import dataclass
 from typing import Sequence
 
 import numpy as np
@@ -28,6 +32,7 @@ import torch
 
 from eyas.models import Target
 
+from .drafter import DynamicExpansion
 from .lookup import MAX_NGRAM
 from .tree import tree_attention
 
@@ -73,135 +78,95 @@ def fit_cost(costs: dict[int, float]) -> tuple[float, float]:
     return max(float(a), 1e-6), float(b)
 
 
-@dataclass(frozen=True)
-class TreePlan:
-    depth: int  # draft steps per cycle; 0 = plain decoding (verify the root alone, no draft)
-    total_tokens: int  # draft nodes verified per cycle
-    expected_tokens: float  # tau: 1 + the summed acceptance probability of those nodes
-    cycle_s: float  # draft(depth) + verify(total_tokens + 1)
-
-    @property
-    def tokens_per_s(self) -> float:
-        return self.expected_tokens / self.cycle_s
-
-    @property
-    def plain(self) -> bool:
-        return self.depth == 0
-
-
-def plan_tree(accept_prob: np.ndarray, node_depth: np.ndarray, verify_cost: tuple[float, float],
-              step_s: float, max_depth: int, max_nodes: int | None = None, plain_s: float | None = None) -> TreePlan:
-    """The (depth, node budget) with the most expected tokens per second.
-
-    accept_prob [M]: each candidate node's probability of being accepted (its path's), node_depth [M] (1 = a
-    child of the root); verify_cost (a, b): a forward over k tokens costs a + b k seconds; step_s: one draft
-    step (the drafter runs `depth` head forwards per cycle, the first one the catch-up on accepted tokens).
-    plain_s: seconds of a one-token forward; when given, plain decoding (depth 0: one token per forward,
-    no draft) competes too.
-    """
-    a, b = verify_cost
-    best = TreePlan(0, 0, 1.0, plain_s) if plain_s is not None else None
-    for d in range(1, max_depth + 1):
-        p = np.sort(accept_prob[node_depth <= d])[::-1][:max_nodes]
-        if len(p) == 0:
-            continue
-        n = np.arange(1, len(p) + 1)
-        gain = 1 + np.cumsum(p)
-        cost = d * step_s + a + b * (n + 1)
-        i = int(np.argmax(gain / cost))
-        plan = TreePlan(d, int(n[i]), float(gain[i]), float(cost[i]))
-        if best is None or plan.tokens_per_s > best.tokens_per_s:
-            best = plan
-    if best is None:
-        raise ValueError("plan_tree needs at least one candidate node")
-    return best
-
-
-def chain_candidates(rates: Sequence[float]) -> tuple[np.ndarray, np.ndarray]:
-    """A chain from per-position acceptance rates (P(draft j accepted | j-1 were)): (accept_prob, depth)."""
-    p = np.cumprod(np.asarray(rates, dtype=float))
-    return p, np.arange(1, len(p) + 1)
+CONF_BINS = np.linspace(np.log(1e-3), 0.0, 13)  # edges of the calibration bins over log confidence
 
 
 class Planner:
-    """Each cycle's tree, re-planned from the acceptance observed while generating.
+    """Per cycle: whether the head drafts, how deep, how many of its nodes are verified, how long a lookup
+    branch is; learned from the cycles so far.
 
-    The prior is one probe tree's confidences: conf [M] (path probability of each candidate node) at
-    node_depth [M]. Per depth d the planner keeps decayed sums of what was predicted (the verified nodes'
-    confidences at depth d: the modelled chance that the accepted path reaches d) and what happened (it
-    did or not), and scales the probe's depth-d confidences by calibration c_d = (obs_d + w c_{d-1}) /
-    (pred_d + w) -- a depth not yet observed inherits its parent's c, so deeper trees get tried.
-    Decay lets the plan follow the text (code, lists and prose accept differently).
-
-    Plain decoding wins when no tree pays for its draft and wider verify; then the cycle verifies the root
-    alone. Every `probe` plain cycles the best tree is verified once anyway, to keep measuring; the
-    interval doubles (to `max_probe`) while plain keeps winning.
+    verify_cost (a, b): a forward over k >= 2 tokens costs a + b k seconds; plain_s: a one-token forward;
+    step_s: one draft step (head forward). Calibration: per bin of log confidence, decayed counts of
+    candidates and of those on the target's continuation, with `weight` pseudo-counts at the raw
+    confidence; the table is made non-decreasing in confidence.
 
     N-gram lookup branches (lookup.py) get their own per-position acceptance for each match length n
     (decayed, prior `lookup_prior`): in prose a one-token match is mostly noise while a three-token one
     is often copied text, and one shared rate would cut the long branches short or pay for the noise.
-    lookup_tokens() sizes the branch to what it is expected to earn.
     """
 
-    def __init__(self, conf: np.ndarray, node_depth: np.ndarray, verify_cost: tuple[float, float], step_s: float,
-                 plain_s: float, max_depth: int, decay: float = 0.9, weight: float = 1.0, max_probe: int = 64,
-                 lookup_max: int = 8, lookup_prior: float = 0.5, max_ngram: int = MAX_NGRAM) -> None:
-        self.conf, self.node_depth = np.asarray(conf, dtype=float), np.asarray(node_depth)
-        self.verify_cost, self.step_s, self.plain_s, self.max_depth = verify_cost, step_s, plain_s, max_depth
-        self.decay, self.weight, self.max_probe = decay, weight, max_probe
-        self.pred = np.zeros(max_depth)  # decayed sums per depth (index d-1)
-        self.obs = np.zeros(max_depth)
+    def __init__(self, verify_cost: tuple[float, float], step_s: float, plain_s: float, max_depth: int,
+                 top_k: int = 4, decay: float = 0.995, weight: float = 4.0, rate_decay: float = 0.98,
+                 max_probe: int = 64, lookup_max: int = 8, lookup_prior: float = 0.5,
+                 max_ngram: int = MAX_NGRAM) -> None:
+        self.verify_cost, self.step_s, self.plain_s = verify_cost, step_s, plain_s
+        self.max_depth, self.top_k = max_depth, top_k
+        self.decay, self.weight, self.rate_decay, self.max_probe = decay, weight, rate_decay, max_probe
+        self.seen = np.zeros(len(CONF_BINS) + 1)  # decayed candidates per confidence bin
+        self.hits = np.zeros(len(CONF_BINS) + 1)  # ... of which lay on the target's continuation
+        self.tokens, self.seconds = 1.0, plain_s  # decayed sums over cycles: the rate λ = tokens / seconds
+        # decayed tokens a drafted cycle's tree was expected to gain over plain decoding; it starts at twice
+        # what a draft step costs, so the first cycles draft and learn how good the head is
+        self.advantage = 2 * step_s / plain_s
         self.probe, self.since_probe = 2, 0
         self.lookup_prior = lookup_prior
         self.lookup_reached = np.zeros((max_ngram, lookup_max))  # decayed counts per (match length n-1, position)
         self.lookup_passed = np.zeros((max_ngram, lookup_max))
-        self.plan = self._plan(plain=True)
+        self.expansion = PlannedExpansion(self)
 
-    def calibration(self) -> np.ndarray:
-        """c [max_depth]: observed / predicted acceptance per depth, shrunk toward the depth above."""
-        c, above = np.ones(self.max_depth), 1.0
-        for d in range(self.max_depth):
-            c[d] = above = (self.obs[d] + self.weight * above) / (self.pred[d] + self.weight)
-        return c
+    @property
+    def rate(self) -> float:
+        """λ: tokens per second of the cycles so far (by the cost model: noise-free and consistent)."""
+        return self.tokens / self.seconds
 
-    def _plan(self, plain: bool) -> TreePlan:
-        p = np.minimum(1.0, self.conf * self.calibration()[self.node_depth - 1])
-        return plan_tree(p, self.node_depth, self.verify_cost, self.step_s, self.max_depth,
-                         plain_s=self.plain_s if plain else None)
+    def accept_prob(self, conf: np.ndarray) -> np.ndarray:
+        """Calibrated acceptance probability of draft nodes with path confidence `conf` (any shape)."""
+        # A bin with few observations leans on its raw confidence scaled by how over- or underconfident the
+        # head has been overall; the table is then fitted non-decreasing in confidence (isotonic).
+        scale = (self.hits.sum() + self.weight) / ((self.seen * _BIN_CONF).sum() + self.weight)
+        prior = np.minimum(1.0, _BIN_CONF * scale)
+        table = _isotonic((self.hits + self.weight * prior) / (self.seen + self.weight), self.seen + self.weight)
+        return table[_bin(conf)]
 
-    def next(self) -> TreePlan:
-        """The plan for the coming cycle: the current one, or a probe tree when plain decoding has run a while."""
-        if not self.plan.plain:
-            return self.plan
+    def cost(self, nodes: int, steps: int) -> float:
+        """Seconds of a cycle that ran `steps` draft steps and verifies `nodes` draft nodes (0: plain)."""
+        a, b = self.verify_cost
+        return steps * self.step_s + (self.plain_s if nodes == 0 else a + b * (nodes + 1))
+
+    # ---- decisions ----------------------------------------------------------------------------
+    def should_draft(self) -> bool:
+        """Run the head this cycle? Yes while its trees beat plain decoding by more than a draft step
+        costs; otherwise only as a probe, at intervals that double while drafting keeps not paying."""
+        if self.advantage >= self.rate * self.step_s:
+            return True
         self.since_probe += 1
         if self.since_probe < self.probe:
-            return self.plan
-        self.since_probe = 0
-        return self._plan(plain=False)
+            return False
+        self.since_probe, self.probe = 0, min(2 * self.probe, self.max_probe)
+        return True
 
-    def observe(self, node_conf: np.ndarray, node_depth: np.ndarray, accepted: np.ndarray) -> None:
-        """One verified cycle: node_conf [B, N] draft path probabilities of its draft nodes at node_depth
-        [B, N] (1 = child of the root), accepted [B] draft tokens accepted per row."""
-        depth = int(node_depth.max(initial=0))
-        if depth == 0:
-            return  # plain cycle: nothing about the draft to learn
-        d = np.arange(1, depth + 1)
-        pred = np.stack([(node_conf * (node_depth == k)).sum(1) for k in d], 1).mean(0)  # [depth]
-        obs = (accepted[:, None] >= d).mean(0)
-        self.pred *= self.decay
-        self.obs *= self.decay
-        self.pred[:depth] += pred
-        self.obs[:depth] += obs
-        was_plain = self.plan.plain
-        self.plan = self._plan(plain=True)
-        if self.plan.plain and was_plain:
-            self.probe = min(2 * self.probe, self.max_probe)  # the probe confirmed plain: look less often
-        elif not self.plan.plain:
+    def keep_drafting(self, frontier_conf: np.ndarray) -> bool:
+        """Draft one more level? frontier_conf [B, F]: the nodes it would expand. Their children's acceptance
+        sums to at most theirs, so a level whose frontier cannot pay for a step and a node never will."""
+        return float(self.accept_prob(frontier_conf).sum(1).mean()) >= self.rate * (self.step_s + self.verify_cost[1])
+
+    def choose(self, conf: np.ndarray) -> int:
+        """How many candidates to verify (the most confident; one count for the batch, 0 = plain decoding).
+        conf [B, M]: every candidate's path confidence."""
+        a, b = self.verify_cost
+        p = -np.sort(-self.accept_prob(conf), axis=1)  # [B, M] descending
+        gain = np.concatenate([[0.0], np.cumsum(p, axis=1).mean(0)])  # [M + 1] expected extra tokens
+        n = np.arange(len(gain))
+        value = gain - self.rate * np.where(n == 0, self.plain_s, a + b * (n + 1))
+        best = int(np.argmax(value))
+        self.advantage = 0.9 * self.advantage + 0.1 * float(value[best] - value[0])
+        if self.advantage >= self.rate * self.step_s:
             self.probe = 2
+        return best
 
-    def lookup_tokens(self, plan: TreePlan, ngram: int) -> int:
-        """How many tokens of a lookup branch from an `ngram`-token match to graft onto `plan`'s tree:
-        the most expected tokens per second (0: the branch does not pay)."""
+    def lookup_tokens(self, head_nodes: int, ngram: int) -> int:
+        """How many tokens of a lookup branch from an `ngram`-token match to graft onto a tree of `head_nodes`
+        draft nodes: the most expected tokens net of their verify cost (0: the branch does not pay)."""
         if self.lookup_reached.shape[1] == 0 or ngram <= 0:
             return 0
         a, b = self.verify_cost
@@ -210,8 +175,21 @@ class Planner:
         rate = (self.lookup_passed[i] + w * self.lookup_prior) / (self.lookup_reached[i] + w)  # P(j+1 | j) per position
         gain = np.concatenate([[0.0], np.cumsum(np.cumprod(rate))])  # [L+1] expected extra tokens
         n = np.arange(len(gain))
-        cost = plan.cycle_s + b * n if not plan.plain else np.where(n == 0, self.plain_s, a + b * (n + 1))
-        return int(np.argmax((plan.expected_tokens + gain) / cost))
+        base = self.plain_s if head_nodes == 0 else a + b * (head_nodes + 1)
+        cost = np.where(n == 0, base, a + b * (head_nodes + n + 1)) - base
+        return int(np.argmax(gain - self.rate * cost))
+
+    # ---- learning -----------------------------------------------------------------------------
+    def observe(self, conf: np.ndarray, on_path: np.ndarray, tokens: float, seconds: float) -> None:
+        """One cycle: candidates with confidence conf [K] whose fate is known, on_path [K] whether each lay on
+        the target's continuation; tokens gained (mean per row) and the cycle's modelled seconds."""
+        self.seen *= self.decay
+        self.hits *= self.decay
+        i = _bin(conf)
+        np.add.at(self.seen, i, 1.0)
+        np.add.at(self.hits, i, on_path.astype(float))
+        self.tokens = self.rate_decay * self.tokens + tokens
+        self.seconds = self.rate_decay * self.seconds + seconds
 
     def observe_lookup(self, proposed: Sequence[int], accepted: Sequence[int], ngrams: Sequence[int]) -> None:
         """Per row with a lookup branch: its length, how many of its leading tokens were accepted, and the
@@ -224,3 +202,43 @@ class Planner:
         for p, a, i in rows:
             self.lookup_reached[i, : min(p, a + 1)] += 1 / per_length[i]
             self.lookup_passed[i, : a] += 1 / per_length[i]
+
+    def describe(self) -> dict[str, float]:
+        """The cost model and where decoding stands, for reports."""
+        a, b = self.verify_cost
+        return {"verify_s": a, "verify_s_per_token": b, "plain_s": self.plain_s, "draft_step_s": self.step_s,
+                "tokens_per_s_model": self.rate}
+
+
+_BIN_CONF = np.exp(np.concatenate([[CONF_BINS[0] - 1], (CONF_BINS[1:] + CONF_BINS[:-1]) / 2, [0.0]]))  # bin centres
+
+
+def _bin(conf: np.ndarray) -> np.ndarray:
+    return np.searchsorted(CONF_BINS, np.log(np.maximum(np.asarray(conf, dtype=float), 1e-12)))
+
+
+def _isotonic(y: np.ndarray, w: np.ndarray) -> np.ndarray:
+    """The non-decreasing sequence closest to y in weighted least squares (pool adjacent violators)."""
+    blocks: list[list[float]] = []  # [mean, weight, length]
+    for v, u in zip(y, w):
+        blocks.append([float(v), float(u), 1])
+        while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
+            (v2, u2, n2), (v1, u1, n1) = blocks.pop(), blocks.pop()
+            blocks.append([(v1 * u1 + v2 * u2) / (u1 + u2), u1 + u2, n1 + n2])
+    return np.concatenate([np.full(n, v) for v, _, n in blocks])
+
+
+class PlannedExpansion(DynamicExpansion):
+    """EAGLE-2's expansion (top_k children of the top_k best nodes per level) with the depth and the number of
+    nodes verified decided each cycle by the Planner."""
+
+    def __init__(self, planner: Planner) -> None:
+        super().__init__(planner.max_depth, planner.top_k, total_tokens=0)
+        self.planner = planner
+
+    def expand(self, frontier_scores: torch.Tensor) -> bool:
+        return self.planner.keep_drafting(frontier_scores.float().exp().cpu().numpy())
+
+    def select(self, scores: torch.Tensor) -> torch.Tensor:
+        self.total_tokens = self.planner.choose(scores.float().exp().cpu().numpy())
+        return super().select(scores)

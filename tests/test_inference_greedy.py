@@ -6,7 +6,8 @@ import torch
 
 from eyas.inference import SpeculativeGenerator, TreeOptions
 from eyas.inference.drafter import HeadDrafter
-from eyas.inference.tuning import Planner, chain_candidates, fit_cost, plan_tree
+from eyas.inference.tree import DraftTree
+from eyas.inference.tuning import Planner, fit_cost
 from inference_fixtures import NO_EOS, PROMPTS, Oracle, always_accept_first_child, greedy, make_head
 from tiny import FIXTURES, tiny_target
 
@@ -151,69 +152,104 @@ def test_auto_total_tokens_tunes_once_and_stays_exact():
     target = tiny_target("mistral")
     gen = SpeculativeGenerator(target, make_head(target), TreeOptions(total_tokens="auto", top_k=4, depth=5))
     res = gen.generate(PROMPTS[2], max_new_tokens=10, **NO_EOS)
-    plan, planner = gen.plan, gen.planner
-    assert plan.plain or (1 <= plan.depth <= 5 and 1 <= plan.total_tokens <= 4 + 4 * 4 * 4)
+    planner = gen.planner
+    assert planner is not None and planner.rate > 0
+    assert all(0 <= n <= 4 + 4 * 4 * 4 + gen.options.lookup for n in res.stats.drafted)
     assert res.tokens == greedy(target, PROMPTS[2], 10)
     assert gen.generate(PROMPTS[0], max_new_tokens=4).tokens and gen.planner is planner  # tuned once
 
 
-def test_plan_tree_trades_gain_against_cost():
-    depth = np.repeat(np.arange(1, 5), 4)  # 4 candidates per level
-    sure, hopeless = np.ones(16), np.full(16, 1e-6)
-    flat, steep = (1.0, 0.0), (0.0, 1.0)  # verify cost a + b * tokens
-    assert (plan_tree(sure, depth, flat, 0.0, 4).total_tokens, plan_tree(sure, depth, flat, 0.0, 4).depth) == (16, 4)
-    assert plan_tree(hopeless, depth, steep, 0.0, 4).total_tokens == 1
-    assert plan_tree(sure, depth, steep, 0.0, 4).total_tokens < 16
-    # a chain with falling acceptance, on a CPU-like curve: stop where one more draft costs more than it gains
-    p, d = chain_candidates([0.8, 0.6, 0.4, 0.2])
-    plan = plan_tree(p, d, (1.0, 0.1), 0.05, 4)
-    by_depth = {k: (1 + p[:k].sum()) / (k * 0.05 + 1.0 + 0.1 * (k + 1)) for k in range(1, 5)}
-    assert plan.depth == plan.total_tokens == max(by_depth, key=by_depth.get)
-    assert plan.expected_tokens == pytest.approx(1 + p[:plan.depth].sum())
+def _planner(**kw) -> Planner:
+    """Verify a + b k with a = 1, b = 0.1; plain forward 1.0; a draft step 0.05 (seconds)."""
+    return Planner(**{"verify_cost": (1.0, 0.1), "step_s": 0.05, "plain_s": 1.0, "max_depth": 4, **kw})
 
 
-def test_plan_tree_prefers_plain_decoding_when_no_tree_pays():
-    depth = np.repeat(np.arange(1, 4), 4)
-    weak, sure = np.full(12, 0.05), np.ones(12)
-    assert plan_tree(weak, depth, (1.0, 0.1), 0.05, 3, plain_s=1.1).plain
-    plan = plan_tree(sure, depth, (1.0, 0.1), 0.05, 3, plain_s=1.1)
-    assert not plan.plain and plan.tokens_per_s > 1 / 1.1
+def test_planner_verifies_the_nodes_that_pay_for_their_verify_cost():
+    planner = _planner()
+    rate = planner.rate
+    sure, hopeless = np.full((1, 16), 0.999), np.full((1, 16), 1e-3)
+    assert planner.choose(hopeless) == 0  # plain decoding: no node is worth the wider forward
+    assert planner.choose(sure) == 16  # each sure node gains ~1 token for 0.1 s
+    # falling confidences: stop where one more node gains less than its verify seconds earn at rate λ
+    conf = np.array([[0.9, 0.6, 0.3, 0.05, 0.01]])
+    p = planner.accept_prob(conf)[0]
+    n = planner.choose(conf)
+    value = [0.0 - rate * 1.0] + [p[:k].sum() - rate * (1.0 + 0.1 * (k + 1)) for k in range(1, 6)]
+    assert n == int(np.argmax(value)) and 0 < n < 5
+    assert planner.choose(np.concatenate([conf, hopeless[:, :5]])) <= n  # one count for the batch: rows average
 
 
-def test_planner_follows_observed_acceptance_and_probes_while_plain():
-    depth = np.repeat(np.arange(1, 4), 4)
-    conf = np.repeat([0.2, 0.1, 0.05], 4)  # per node; a level sums to at most 1, like real siblings
-    planner = Planner(conf, depth, (1.0, 0.1), 0.01, 1.1, 3)
-    assert not planner.plan.plain  # the head's confidence alone says a tree pays
-    drafted = planner.plan
-    node_conf, node_depth = conf[None, :drafted.total_tokens], depth[None, :drafted.total_tokens]
-    for _ in range(10):  # ...but nothing is ever accepted: plain decoding takes over
-        planner.observe(node_conf, node_depth, np.zeros(1))
-        if planner.plan.plain:
-            break
-    assert planner.plan.plain
+def test_planner_calibrates_confidence_from_what_the_target_accepted():
+    planner = _planner()
+    conf = np.full(20, 0.8)
+    assert planner.accept_prob(conf)[0] == pytest.approx(0.8, abs=0.1)  # prior: the raw confidence
+    for _ in range(30):  # an overconfident head: nothing at 0.8 is ever on the target's continuation
+        planner.observe(conf, np.zeros(20, bool), tokens=1.0, seconds=1.0)
+    assert planner.accept_prob(conf)[0] < 0.05
+    assert planner.choose(conf[None]) == 0
+    planner = _planner()
+    for _ in range(30):  # an underconfident head: everything at 0.3 is accepted
+        planner.observe(np.full(20, 0.3), np.ones(20, bool), tokens=1.0, seconds=1.0)
+    probs = planner.accept_prob(np.array([0.01, 0.3, 0.8]))
+    assert probs[1] > 0.9 and probs[2] >= probs[1]  # never less likely at a higher confidence
+    for _ in range(10):  # contradicting evidence at 0.8 does not make it less likely than 0.3
+        planner.observe(np.full(20, 0.8), np.zeros(20, bool), tokens=1.0, seconds=1.0)
+    probs = planner.accept_prob(np.array([0.01, 0.3, 0.8]))
+    assert list(probs) == sorted(probs)
+
+
+def test_planner_drafts_while_it_pays_and_probes_while_it_does_not():
+    planner = _planner()
+    assert planner.should_draft()  # optimistic start
+    for _ in range(40):  # the head is hopeless: every cycle's best choice is plain decoding
+        planner.choose(np.full((1, 8), 1e-3))
     gaps, since = [], 0
-    for _ in range(40):  # probes keep coming, further apart while they confirm plain
-        plan = planner.next()
+    for _ in range(60):  # drafting only as a probe, ever further apart
         since += 1
-        if not plan.plain:
+        if planner.should_draft():
             gaps.append(since)
             since = 0
-            planner.observe(node_conf, node_depth, np.zeros(1))
+            planner.choose(np.full((1, 8), 1e-3))
     assert len(gaps) >= 3 and gaps == sorted(gaps) and gaps[-1] > gaps[0]
-    for _ in range(30):  # everything drafted is accepted: back to trees; the head proves underconfident
-        planner.observe(node_conf, node_depth, np.full(1, drafted.depth))
-    assert not planner.plan.plain and planner.calibration()[0] > 1
+    for _ in range(5):  # a probe finds a confident head: drafting every cycle again
+        planner.choose(np.full((1, 8), 0.999))
+    assert all(planner.should_draft() for _ in range(5))
+
+
+def test_planner_stops_drafting_at_a_level_that_cannot_pay():
+    planner = _planner()
+    assert planner.keep_drafting(np.array([[0.9, 0.5, 0.2, 0.1]]))
+    # the next level's nodes could at best add what their parents have: here far less than a step costs
+    assert not planner.keep_drafting(np.full((1, 4), 1e-3))
+
+
+def test_head_candidates_are_labelled_by_the_target_continuation():
+    """Every candidate the head drafted (verified or not) is scored against the tokens that followed."""
+    from eyas.inference.tree import on_continuation
+
+    #            root  a   b   a.c  a.d  b.e  a.c.f
+    tokens = torch.tensor([[9, 1, 2, 3, 4, 5, 6]])
+    parents = torch.tensor([[-1, 0, 0, 1, 1, 2, 3]])
+    depth = torch.tensor([[0, 1, 1, 2, 2, 2, 3]])
+    tree = DraftTree(tokens, parents, depth, torch.zeros(1, 7))
+    # the target produced 1, 3 (then nothing known): a and a.c are on it; a.c.f is beyond it, undecided
+    on, known = on_continuation(tree, torch.tensor([[0, 1, 3]]), torch.tensor([2]))
+    assert on.tolist() == [[True, True, False, True, False, False, False]]
+    assert known.tolist() == [[True, True, True, True, True, True, False]]
+    # only 2 known: b is on it; everything under a is known to be off it, b.e undecided
+    on, known = on_continuation(tree, torch.tensor([[0, 0, 2]]), torch.tensor([1]))
+    assert on.tolist() == [[True, False, True, False, False, False, False]]
+    assert known.tolist() == [[True, True, True, True, True, False, True]]
 
 
 def test_plain_cycles_keep_greedy_identity_and_the_head_catches_up():
-    """With plain decoding planned, the probes' catch-up covers every token since the last draft."""
+    """With drafting not paying, the probes' catch-up covers every token since the last draft."""
     target = tiny_target("llama")
     head = make_head(target, "eagle3")
     gen = SpeculativeGenerator(target, head, TreeOptions(total_tokens="auto", top_k=3, depth=3))
     gen.generate(PROMPTS[1], max_new_tokens=4, **NO_EOS)  # tunes
     # a tree verify costs ~10x a plain step here: plain decoding wins, probes still draft now and then
-    gen.planner = Planner(np.full(9, 0.3), np.repeat(np.arange(1, 4), 3), (1.0, 0.0), 0.0, 0.1, 3)
+    gen.planner = Planner((1.0, 0.0), step_s=0.01, plain_s=0.1, max_depth=3, top_k=3)
     seen, inner = [], gen.drafter.draft
 
     def draft(ctx):
@@ -226,7 +262,9 @@ def test_plain_cycles_keep_greedy_identity_and_the_head_catches_up():
     res = gen.generate(PROMPTS[0], max_new_tokens=24, **NO_EOS)
     assert res.tokens == greedy(target, PROMPTS[0], 24)
     assert res.stats.drafted.count(0) > len(seen) >= 2  # mostly plain, a few probes
-    assert min(c.tokens.shape[1] for c in seen[1:]) > 1  # each probe caught up on the plain cycles before it
+    # a probe catches up on every plain cycle before it (_check_scores: the head saw every token once, in order)
+    assert max(c.tokens.shape[1] for c in seen[1:]) > 1
+    assert sum(c.tokens.shape[1] for c in seen) <= len(PROMPTS[0]) + len(res.tokens)
 
 
 def test_fit_cost_is_affine_and_never_rewards_noise():

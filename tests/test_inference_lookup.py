@@ -64,15 +64,12 @@ def test_planner_sizes_lookup_branches_by_the_match_length_they_came_from():
 
     from eyas.inference.tuning import Planner
 
-    # a weak head (plain decoding wins) on a machine where each extra verified token costs 5% of a forward
-    planner = Planner(np.full(4, 0.05), np.array([1, 1, 2, 2]), verify_cost=(1.0, 0.05), step_s=0.01,
-                      plain_s=1.0, max_depth=2, lookup_max=8)
-    plan = planner.next()
-    assert plan.plain
-    prior = [planner.lookup_tokens(plan, n) for n in (1, 2, 3)]
+    # plain decoding (no head nodes) on a machine where each extra verified token costs 5% of a forward
+    planner = Planner(verify_cost=(1.0, 0.05), step_s=0.01, plain_s=1.0, max_depth=2, lookup_max=8)
+    prior = [planner.lookup_tokens(0, n) for n in (1, 2, 3)]
     assert prior[0] == prior[1] == prior[2] > 0  # nothing observed yet: every match length alike
     for _ in range(30):  # one-token matches are rejected at once, three-token ones copied to the end
         planner.observe_lookup([8, 8], [0, 8], [1, 3])
-    one, three = planner.lookup_tokens(plan, 1), planner.lookup_tokens(plan, 3)
+    one, three = planner.lookup_tokens(0, 1), planner.lookup_tokens(0, 3)
     assert one == 0 and three == 8
-    assert planner.lookup_tokens(plan, 2) == prior[1]  # a match length never seen keeps its prior
+    assert planner.lookup_tokens(0, 2) == prior[1]  # a match length never seen keeps its prior  # a match length never seen keeps its prior
