@@ -112,8 +112,7 @@ class CpuLinear:
             return self.module(x)
         self.prepare()
         if len(rows) == 1:
-            y = rows @ self.weight_t if bias is None else torch.addmm(bias, rows, self.weight_t)
-            return y.reshape(*x.shape[:-1], y.shape[-1])
+            return _row_product(x, self.weight_t, bias)
         return _packed_linear(x, self.packed, bias)
 
 
@@ -122,13 +121,17 @@ _PACKED = torch.ops.mkldnn._linear_pointwise.default if torch.backends.mkldnn.is
 
 @contextlib.contextmanager
 def cpu_linears(linears: Sequence[CpuLinear], rows: int):
-    """Run the layers' own calls through their prepacked weights for the duration of the block when
-    they see more than one row: the model's code is untouched, only the bound forward of each
-    applicable instance is shadowed (one row keeps F.linear, the fastest there)."""
-    active = [lin for lin in linears if lin.applies()] if rows > 1 else []
+    """Run the layers' own calls through eyas's copies of their weights for the duration of the block: the
+    prepacked ones when they see more than one row; with one row only the `row_copy` layers change (to
+    their [in, out] copy), the rest keep F.linear, the fastest there. The model's code is untouched: only
+    the bound forward of each applicable instance is shadowed."""
+    active = [lin for lin in linears if (rows > 1 or lin.row_copy) and lin.applies()]
     for lin in active:
         lin.prepare()
-        lin.module.forward = functools.partial(_packed_linear, packed=lin.packed, bias=lin.module.bias)
+        if rows > 1:
+            lin.module.forward = functools.partial(_packed_linear, packed=lin.packed, bias=lin.module.bias)
+        else:
+            lin.module.forward = functools.partial(_row_product, weight_t=lin.weight_t, bias=lin.module.bias)
     try:
         yield
     finally:
@@ -138,6 +141,13 @@ def cpu_linears(linears: Sequence[CpuLinear], rows: int):
 
 def _packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     return _PACKED(x, packed, bias, "none", [], "")
+
+
+def _row_product(x: torch.Tensor, weight_t: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x [..., in] holding one row, weight_t [in, out] contiguous -> [..., out]."""
+    rows = x.reshape(1, -1)
+    y = rows @ weight_t if bias is None else torch.addmm(bias, rows, weight_t)
+    return y.reshape(*x.shape[:-1], y.shape[-1])
 
 
 class Target(nn.Module):
