@@ -3,8 +3,9 @@
 EAGLE-2's observation: a draft node's confidence (its path probability under the head) predicts whether
 the target will accept it. A cycle that drafts to depth d and verifies n nodes costs d draft steps plus
 a verify forward over n + 1 tokens, and gains 1 + Σ P(node accepted) tokens. So, every cycle:
-- the head drafts level by level while the next level can still pay for itself (its frontier's summed
-  acceptance probability bounds what the level can add);
+- the head drafts level by level while the next level is expected to pay for its draft step (what a
+  level earns, net of its nodes' verify cost, per unit of its frontier's acceptance probability, is
+  learned from the levels drafted so far);
 - the n candidates with the highest confidence are verified, n chosen to maximise
   gain - λ * cost, where λ is the tokens per second decoding runs at (a cycle is worth running when it
   beats what the same seconds earn on average; policy iteration on this rate maximises tokens/s);
@@ -87,8 +88,9 @@ class Planner:
 
     verify_cost (a, b): a forward over k >= 2 tokens costs a + b k seconds; plain_s: a one-token forward;
     step_s: one draft step (head forward). Calibration: per bin of log confidence, decayed counts of
-    candidates and of those on the target's continuation, with `weight` pseudo-counts at the raw
-    confidence; the table is made non-decreasing in confidence.
+    candidates and of those on the target's continuation, plus `weight` pseudo-counts at the raw
+    confidence scaled by how over- or underconfident the head has been overall; the table is fitted
+    non-decreasing in confidence.
 
     N-gram lookup branches (lookup.py) get their own per-position acceptance for each match length n
     (decayed, prior `lookup_prior`): in prose a one-token match is mostly noise while a three-token one
@@ -108,6 +110,9 @@ class Planner:
         # decayed tokens a drafted cycle's tree was expected to gain over plain decoding; it starts at twice
         # what a draft step costs, so the first cycles draft and learn how good the head is
         self.advantage = 2 * step_s / plain_s
+        # decayed sums over drafted levels: net tokens a level's nodes earned, and its frontier's acceptance
+        # mass; their ratio starts at 1, the bound (children's acceptance sums to at most their parent's)
+        self.level_earned, self.level_mass = 1.0, 1.0
         self.probe, self.since_probe = 2, 0
         self.lookup_prior = lookup_prior
         self.lookup_reached = np.zeros((max_ngram, lookup_max))  # decayed counts per (match length n-1, position)
@@ -146,9 +151,9 @@ class Planner:
         return True
 
     def keep_drafting(self, frontier_conf: np.ndarray) -> bool:
-        """Draft one more level? frontier_conf [B, F]: the nodes it would expand. Their children's acceptance
-        sums to at most theirs, so a level whose frontier cannot pay for a step and a node never will."""
-        return float(self.accept_prob(frontier_conf).sum(1).mean()) >= self.rate * (self.step_s + self.verify_cost[1])
+        """Draft one more level? frontier_conf [B, F]: the nodes it would expand."""
+        mass = float(self.accept_prob(frontier_conf).sum(1).mean())
+        return mass * self.level_earned / self.level_mass >= self.rate * self.step_s
 
     def choose(self, conf: np.ndarray) -> int:
         """How many candidates to verify (the most confident; one count for the batch, 0 = plain decoding).
@@ -180,6 +185,12 @@ class Planner:
         return int(np.argmax(gain - self.rate * cost))
 
     # ---- learning -----------------------------------------------------------------------------
+    def observe_level(self, frontier_conf: np.ndarray, children_conf: np.ndarray) -> None:
+        """A drafted level: frontier_conf [B, F] of the nodes expanded, children_conf [B, C] of the new nodes."""
+        net = np.maximum(0.0, self.accept_prob(children_conf) - self.rate * self.verify_cost[1]).sum(1).mean()
+        self.level_earned = self.rate_decay * self.level_earned + float(net)
+        self.level_mass = self.rate_decay * self.level_mass + float(self.accept_prob(frontier_conf).sum(1).mean())
+
     def observe(self, conf: np.ndarray, on_path: np.ndarray, tokens: float, seconds: float) -> None:
         """One cycle: candidates with confidence conf [K] whose fate is known, on_path [K] whether each lay on
         the target's continuation; tokens gained (mean per row) and the cycle's modelled seconds."""
@@ -235,6 +246,12 @@ class PlannedExpansion(DynamicExpansion):
     def __init__(self, planner: Planner) -> None:
         super().__init__(planner.max_depth, planner.top_k, total_tokens=0)
         self.planner = planner
+
+    def children(self, level, logq, frontier_scores):
+        parent, ids, scores = super().children(level, logq, frontier_scores)
+        if level > 0:  # what this level earns for its frontier's mass teaches keep_drafting
+            self.planner.observe_level(frontier_scores.float().exp().cpu().numpy(), scores.float().exp().cpu().numpy())
+        return parent, ids, scores
 
     def expand(self, frontier_scores: torch.Tensor) -> bool:
         return self.planner.keep_drafting(frontier_scores.float().exp().cpu().numpy())

@@ -218,9 +218,13 @@ def test_planner_drafts_while_it_pays_and_probes_while_it_does_not():
 
 def test_planner_stops_drafting_at_a_level_that_cannot_pay():
     planner = _planner()
-    assert planner.keep_drafting(np.array([[0.9, 0.5, 0.2, 0.1]]))
+    frontier = np.array([[0.9, 0.5, 0.2, 0.1]])
+    assert planner.keep_drafting(frontier)
     # the next level's nodes could at best add what their parents have: here far less than a step costs
     assert not planner.keep_drafting(np.full((1, 4), 1e-3))
+    for _ in range(50):  # levels below confident frontiers keep earning nothing: stop at the frontier
+        planner.observe_level(frontier, np.full((1, 16), 1e-3))
+    assert not planner.keep_drafting(frontier)
 
 
 def test_head_candidates_are_labelled_by_the_target_continuation():

@@ -145,6 +145,26 @@ def test_decoder_linears_run_through_eyas_kernels_with_unchanged_results(arch):
     torch.testing.assert_close(fast.logits, plain.logits, rtol=1e-5, atol=1e-5)
 
 
+def test_row_copy_linears_take_one_row_through_their_transposed_copy():
+    from torch import nn
+
+    from eyas.models.target import CpuLinear, cpu_linears
+
+    torch.manual_seed(0)
+    wide, plain = nn.Linear(16, 64, bias=False), nn.Linear(16, 16)
+    linears = [CpuLinear(wide, row_copy=True), CpuLinear(plain)]
+    x = torch.randn(1, 1, 16)
+    expected = wide(x), plain(x)
+    with cpu_linears(linears, rows=1):
+        shadowed = ["forward" in vars(m) for m in (wide, plain)]
+        got = wide(x), plain(x)
+    packing = torch.backends.mkldnn.is_available()
+    assert shadowed == [packing, False]  # one row: only the row_copy layer changes
+    assert not any("forward" in vars(m) for m in (wide, plain))  # restored
+    for g, e in zip(got, expected):
+        torch.testing.assert_close(g, e, rtol=1e-5, atol=1e-5)
+
+
 def test_decoder_linears_are_restored_when_the_forward_fails_and_hooked_ones_run_themselves():
     target = tiny_target("llama")
     hooked = target._linears[0].module
