@@ -191,12 +191,21 @@ class HeadDrafter:
         self.head = head
         self.expansion = expansion
         self.cache: HeadCache | None = None
-        self.candidates: DraftTree | None = None  # the last draft's every candidate, in creation order
+        self._last: tuple | None = None  # the last draft's root and candidate tensors, for `candidates`
         # on CPU fp32 the head's linears run through eyas's weight copies (models/target.py): prepacked for
         # levels of several frontier nodes (F.linear repacks per call; a 6-level draft of the demo head
         # 85 -> 68 ms on one thread), the draft-vocab projection's [in, out] copy for one row (2.8 -> 1.6 ms)
         self._linears = [CpuLinear(m, row_copy=m is getattr(head, "lm_head", None))
                          for m in head.modules() if type(m) is nn.Linear]
+
+    @property
+    def candidates(self) -> DraftTree | None:
+        """The last draft's every candidate, in creation order (built on demand: only the planner reads it)."""
+        if self._last is None:
+            return None
+        root, parts = self._last
+        every = torch.arange(parts[0].shape[1], device=root.device).expand(len(root), -1)
+        return _build_tree(root, every, *parts)
 
     def reset(self) -> None:
         self.cache = self.head.new_cache()
@@ -255,8 +264,7 @@ class HeadDrafter:
             count += tok.shape[1]
         cache.crop(committed.shape[1])
         parts = (torch.cat(tokens, 1), torch.cat(parents, 1), torch.cat(scores, 1), torch.cat(depths, 1))
-        every = torch.arange(parts[0].shape[1], device=dev).expand(b, -1)
-        self.candidates = _build_tree(ctx.tokens[:, -1], every, *parts)
+        self._last = (ctx.tokens[:, -1], parts)
         return _build_tree(ctx.tokens[:, -1], exp.select(parts[2]), *parts)
 
 

@@ -60,7 +60,6 @@ def on_continuation(tree: DraftTree, continuation: torch.Tensor, length: torch.T
     in order. A node is on it when its path equals the first `depth` of them; its fate is known when
     its depth is within length, or when an ancestor already differs. The root is on it.
     """
-    b, n = tree.tokens.shape
     width = continuation.shape[1]
     d = tree.depth
     within = d <= length[:, None]

@@ -103,17 +103,20 @@ class CpuLinear:
             self.packed = torch.ops.mkldnn._reorder_linear_weight(w.detach(), None)
             self._key = key
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if not self.applies():
-            return self.module(x)
-        bias = self.module.bias
-        rows = x.reshape(-1, x.shape[-1])  # [M, in]
-        if len(rows) == 1 and not self.row_copy:
-            return self.module(x)
+    def kernel(self, rows: int):
+        """eyas's product for an input of `rows` rows (x -> y, a drop-in for the module's forward), or None
+        where the module itself is best or must run: prepacked for several rows, the [in, out] copy for
+        one row of a row_copy layer; otherwise F.linear's GEMV."""
+        if not ((rows > 1 or self.row_copy) and self.applies()):
+            return None
         self.prepare()
-        if len(rows) == 1:
-            return _row_product(x, self.weight_t, bias)
-        return _packed_linear(x, self.packed, bias)
+        if rows > 1:
+            return functools.partial(_packed_linear, packed=self.packed, bias=self.module.bias)
+        return functools.partial(_row_product, weight_t=self.weight_t, bias=self.module.bias)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        kernel = self.kernel(x[..., 0].numel())
+        return self.module(x) if kernel is None else kernel(x)
 
 
 _PACKED = torch.ops.mkldnn._linear_pointwise.default if torch.backends.mkldnn.is_available() else None
@@ -125,13 +128,11 @@ def cpu_linears(linears: Sequence[CpuLinear], rows: int):
     prepacked ones when they see more than one row; with one row only the `row_copy` layers change (to
     their [in, out] copy), the rest keep F.linear, the fastest there. The model's code is untouched: only
     the bound forward of each applicable instance is shadowed."""
-    active = [lin for lin in linears if (rows > 1 or lin.row_copy) and lin.applies()]
-    for lin in active:
-        lin.prepare()
-        if rows > 1:
-            lin.module.forward = functools.partial(_packed_linear, packed=lin.packed, bias=lin.module.bias)
-        else:
-            lin.module.forward = functools.partial(_row_product, weight_t=lin.weight_t, bias=lin.module.bias)
+    active = []
+    for lin in linears:
+        if (kernel := lin.kernel(rows)) is not None:
+            lin.module.forward = kernel
+            active.append(lin)
     try:
         yield
     finally:
