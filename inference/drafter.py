@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from eyas.models import DraftHead, HeadCache
-from eyas.models.target import CpuLinear, cpu_linears
+from eyas.models.cpu_kernels import CpuLinear, cpu_linears
 
 from .tree import DEFAULT_PATHS, DraftTree, chain_paths, check_paths
 
@@ -192,7 +192,7 @@ class HeadDrafter:
         self.expansion = expansion
         self.cache: HeadCache | None = None
         self._last: tuple | None = None  # the last draft's root and candidate tensors, for `candidates`
-        # on CPU fp32 the head's linears run through eyas's weight copies (models/target.py): prepacked for
+        # on CPU fp32 the head's linears run through eyas's weight copies (models/cpu_kernels.py): prepacked for
         # levels of several frontier nodes (F.linear repacks per call; a 6-level draft of the demo head
         # 85 -> 68 ms on one thread), the draft-vocab projection's [in, out] copy for one row (2.8 -> 1.6 ms)
         self._linears = [CpuLinear(m, row_copy=m is getattr(head, "lm_head", None))

@@ -6,14 +6,12 @@
 - the borrowed modules: input embedding and lm_head.
 - one forward over new tokens with a boolean tree mask, explicit position ids and a
   transformers Cache, plus `keep_cache` to retain only chosen cache positions.
-- the logits of only the positions asked for, through a projection that stays cheap for the
-  few-row products a tree verify makes on CPU (`CpuLinear`), for the decoder's layers too.
+- the logits of only the positions asked for; on CPU, eyas's kernels for the few-row forwards a
+  tree verify makes (`cpu_kernels.py`: linear layers and GQA attention).
 """
 
 from __future__ import annotations
 
-import contextlib
-import functools
 import hashlib
 import json
 from dataclasses import dataclass
@@ -24,6 +22,7 @@ from torch import nn
 from transformers import AutoTokenizer, DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 
 from .config import TargetIdentity
+from .cpu_kernels import CpuLinear, cpu_linears, gqa_attention
 from .masks import additive_mask
 
 DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
@@ -60,103 +59,13 @@ def _decoder_layers(model: PreTrainedModel) -> nn.ModuleList:
     raise ValueError(f"could not find the {n} decoder layers of {type(model).__name__}")
 
 
-class CpuLinear:
-    """eyas's own kernel for one of the target's nn.Linear layers: x [..., in] -> [..., out].
-
-    On CPU in fp32, F.linear repacks the weight on every call with more than one row, so a verify
-    over 2..16 tokens costs far more than one token although the weights are read once either way
-    (SmolLM2-135M, decoder layers alone: 2 rows 1.35-1.7x one row; its 49152x576 lm_head 2 rows
-    76 -> 35 ms). A oneDNN-prepacked copy of the weight keeps a few rows near the cost of one.
-    One row stays with F.linear (a GEMV) or, with `row_copy`, a contiguous [in, out] copy (~2x
-    faster than F.linear for the lm_head's one-row product). Copies are built on first use
-    (one extra copy of the weight each) and rebuilt when the weight changes place, version or
-    shape. Anywhere else (GPU, bf16, a hooked or sharded layer, a torch without oneDNN) the
-    module itself runs, so every target still works unmodified.
-    """
-
-    def __init__(self, module: nn.Module, row_copy: bool = False, enabled: bool = True) -> None:
-        self.module = module
-        self.row_copy = row_copy
-        self.enabled = enabled
-        self._key: tuple | None = None
-        self.weight_t: torch.Tensor | None = None  # [in, out] contiguous (row_copy only)
-        self.packed: torch.Tensor | None = None  # oneDNN layout of the [out, in] weight
-
-    def applies(self) -> bool:
-        if not self.enabled:
-            return False
-        m = self.module
-        w = getattr(m, "weight", None)
-        # Sharded weights (DeepSpeed ZeRO-3, FSDP2) are only whole inside the module's own call.
-        return (type(m) is nn.Linear and w is not None and w.device.type == "cpu"
-                and w.dtype == torch.float32 and torch.backends.mkldnn.is_available()
-                and type(w.data) is torch.Tensor and not hasattr(w, "ds_id")
-                # hooks (accelerate offloading, user hooks) expect the module to be called
-                and not (m._forward_hooks or m._forward_pre_hooks or "forward" in vars(m)))
-
-    def prepare(self) -> None:
-        """Build the copies, or rebuild them if the weight changed since."""
-        w = self.module.weight
-        key = (w.data_ptr(), w._version, w.shape)
-        if key != self._key:
-            self.weight_t = w.detach().t().contiguous() if self.row_copy else None
-            self.packed = torch.ops.mkldnn._reorder_linear_weight(w.detach(), None)
-            self._key = key
-
-    def kernel(self, rows: int):
-        """eyas's product for an input of `rows` rows (x -> y, a drop-in for the module's forward), or None
-        where the module itself is best or must run: prepacked for several rows, the [in, out] copy for
-        one row of a row_copy layer; otherwise F.linear's GEMV."""
-        if not ((rows > 1 or self.row_copy) and self.applies()):
-            return None
-        self.prepare()
-        if rows > 1:
-            return functools.partial(_packed_linear, packed=self.packed, bias=self.module.bias)
-        return functools.partial(_row_product, weight_t=self.weight_t, bias=self.module.bias)
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        kernel = self.kernel(x[..., 0].numel())
-        return self.module(x) if kernel is None else kernel(x)
-
-
-_PACKED = torch.ops.mkldnn._linear_pointwise.default if torch.backends.mkldnn.is_available() else None
-
-
-@contextlib.contextmanager
-def cpu_linears(linears: Sequence[CpuLinear], rows: int):
-    """Run the layers' own calls through eyas's copies of their weights for the duration of the block: the
-    prepacked ones when they see more than one row; with one row only the `row_copy` layers change (to
-    their [in, out] copy), the rest keep F.linear, the fastest there. The model's code is untouched: only
-    the bound forward of each applicable instance is shadowed."""
-    active = []
-    for lin in linears:
-        if (kernel := lin.kernel(rows)) is not None:
-            lin.module.forward = kernel
-            active.append(lin)
-    try:
-        yield
-    finally:
-        for lin in active:
-            del lin.module.forward
-
-
-def _packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    return _PACKED(x, packed, bias, "none", [], "")
-
-
-def _row_product(x: torch.Tensor, weight_t: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """x [..., in] holding one row, weight_t [in, out] contiguous -> [..., out]."""
-    rows = x.reshape(1, -1)
-    y = rows @ weight_t if bias is None else torch.addmm(bias, rows, weight_t)
-    return y.reshape(*x.shape[:-1], y.shape[-1])
-
-
 class Target(nn.Module):
     """Frozen wrapper; never trained, never holds gradients."""
 
     def __init__(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase | None, name_or_path: str,
-                 prepack: bool = True) -> None:
-        """prepack: on CPU fp32, compute with eyas's copies of the linear weights (`CpuLinear`: faster
+                 cpu_kernels: bool = True) -> None:
+        """cpu_kernels: on CPU, run eyas's kernels for few-row forwards (`models/cpu_kernels.py`: the linear
+        layers through copies of their weights in fp32, GQA attention without repeated keys; faster
         multi-token verifies for one extra copy of the weights in memory); False runs the modules as they are."""
         super().__init__()
         model.eval().requires_grad_(False)
@@ -169,8 +78,9 @@ class Target(nn.Module):
         self.num_layers: int = text.num_hidden_layers
         self._layers = _decoder_layers(model)
         self._fingerprint: str | None = None
-        self.logit_projection = CpuLinear(self.lm_head, row_copy=True, enabled=prepack)  # every logit eyas computes
-        self._linears = [CpuLinear(m, enabled=prepack) for m in self._layers.modules() if type(m) is nn.Linear]
+        self.cpu_kernels = cpu_kernels
+        self.logit_projection = CpuLinear(self.lm_head, row_copy=True, enabled=cpu_kernels)  # every logit eyas computes
+        self._linears = [CpuLinear(m, enabled=cpu_kernels) for m in self._layers.modules() if type(m) is nn.Linear]
 
     # ---- identity and borrowed modules ----------------------------------------------------------
     @property
@@ -180,6 +90,11 @@ class Target(nn.Module):
     @property
     def lm_head(self) -> nn.Module:
         return self.model.get_output_embeddings()
+
+    @property
+    def final_norm(self) -> nn.Module | None:
+        """The norm before the lm_head (`norm` of the decoder in Llama-like models), or None if it has none."""
+        return getattr(self.model.get_decoder(), "norm", None)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -236,7 +151,7 @@ class Target(nn.Module):
             if i < self.num_layers:
                 hooks.append(self._layers[i].register_forward_pre_hook(_capture(captured, i), with_kwargs=True))
         try:
-            with cpu_linears(self._linears, b * t):
+            with cpu_linears(self._linears, b * t), gqa_attention(self.model, self.cpu_kernels):
                 out = self.model.get_decoder()(
                     input_ids=input_ids,
                     attention_mask=attention_mask,
@@ -280,12 +195,12 @@ class Target(nn.Module):
     # ---- loading -----------------------------------------------------------------------------
     @classmethod
     def load(cls, spec: str, dtype: str | torch.dtype = "fp32", device: str | torch.device = "cpu",
-             prepack: bool = True) -> "Target":
+             cpu_kernels: bool = True) -> "Target":
         """From a local HF folder, a `.gguf` file, the alias `smollm2-135m`, or a hub id."""
         from .loading import load_model_and_tokenizer
 
         model, tokenizer, name = load_model_and_tokenizer(spec, resolve_dtype(dtype))
-        return cls(model.to(device), tokenizer, name, prepack=prepack)
+        return cls(model.to(device), tokenizer, name, cpu_kernels=cpu_kernels)
 
 
 def _capture(store: dict[int, torch.Tensor], i: int):

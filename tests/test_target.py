@@ -137,7 +137,7 @@ def test_decoder_linears_run_through_eyas_kernels_with_unchanged_results(arch):
     target(ids[:1, :1])  # one row: F.linear is the fastest there, nothing is shadowed
     assert shadowed == [packing, False]
     assert not any("forward" in vars(lin.module) for lin in linears)  # restored after the call
-    as_is = Target(target.model, target.tokenizer, "as-is", prepack=False)  # the same weights, modules as they are
+    as_is = Target(target.model, target.tokenizer, "as-is", cpu_kernels=False)  # the same weights, modules as they are
     assert not any(lin.applies() for lin in as_is._linears) and not as_is.logit_projection.applies()
     plain = as_is(ids, layer_ids=(1,))
     assert shadowed[-1] is False  # nothing was shadowed this time
@@ -148,7 +148,7 @@ def test_decoder_linears_run_through_eyas_kernels_with_unchanged_results(arch):
 def test_row_copy_linears_take_one_row_through_their_transposed_copy():
     from torch import nn
 
-    from eyas.models.target import CpuLinear, cpu_linears
+    from eyas.models.cpu_kernels import CpuLinear, cpu_linears
 
     torch.manual_seed(0)
     wide, plain = nn.Linear(16, 64, bias=False), nn.Linear(16, 16)
@@ -180,3 +180,27 @@ def test_decoder_linears_are_restored_when_the_forward_fails_and_hooked_ones_run
     with pytest.raises(RuntimeError, match="boom"):
         target(torch.randint(4, 300, (1, 4)))
     assert not any("forward" in vars(lin.module) for lin in target._linears)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_masked_gqa_attention_reads_each_key_head_once_with_unchanged_results(arch, monkeypatch):
+    target = tiny_target(arch)  # 4 query heads over 2 key/value heads
+    plain = Target(target.model, target.tokenizer, "as-is", cpu_kernels=False)
+    seen = []  # (query heads, key heads) of every masked multi-row SDPA call
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def spy(q, k, v, *args, **kwargs):
+        if q.shape[2] > 1 and kwargs.get("attn_mask") is not None:
+            seen.append((q.shape[1], k.shape[1]))
+        return sdpa(q, k, v, *args, **kwargs)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
+    prefix, nodes = torch.randint(4, 300, (1, 9)), torch.randint(4, 300, (1, len(PARENTS)))
+    allowed = tree_allowed(PARENTS, prefix.shape[1])
+    fast, _ = _tree_logits(target, prefix, nodes, allowed)
+    ours, seen[:] = list(seen), []
+    slow, _ = _tree_logits(plain, prefix, nodes, allowed)
+    assert ours and all(kv == 2 for _, kv in ours)  # the cache's own 2 heads, not a copy per query head
+    assert seen and all(kv == 4 for _, kv in seen)  # transformers' sdpa repeats them
+    torch.testing.assert_close(fast, slow, rtol=1e-5, atol=1e-5)
+    assert target.model.config._attn_implementation == "sdpa"  # only for the duration of the forward
