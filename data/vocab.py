@@ -55,6 +55,13 @@ def token_counts(dataset: datasets.Dataset, vocab_size: int, batch_size: int = 1
     return counts
 
 
+def coverage(dataset: datasets.Dataset, draft_to_target: torch.Tensor, vocab_size: int) -> float:
+    """Fraction of the loss-masked tokens of `dataset` that are in the draft vocabulary."""
+    counts = token_counts(dataset, vocab_size)
+    total = int(counts.sum())
+    return float(counts[draft_to_target.cpu().numpy()].sum() / total) if total else 0.0
+
+
 def build_vocab_map(dataset: datasets.Dataset, tokenizer: PreTrainedTokenizerBase, draft_vocab_size: int,
                     cache_path: str | Path | None = None) -> VocabMap:
     """Top-`draft_vocab_size` loss-masked target tokens of `dataset` (rows: input_ids, loss_mask).

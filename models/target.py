@@ -92,11 +92,6 @@ class Target(nn.Module):
         return self.model.get_output_embeddings()
 
     @property
-    def final_norm(self) -> nn.Module | None:
-        """The norm before the lm_head (`norm` of the decoder in Llama-like models), or None if it has none."""
-        return getattr(self.model.get_decoder(), "norm", None)
-
-    @property
     def dtype(self) -> torch.dtype:
         return self.embed_tokens.weight.dtype
 

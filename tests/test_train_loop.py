@@ -3,6 +3,7 @@ to the same losses, NaN stops with the last checkpoint intact, the head lands wh
 
 import json
 import os
+import re
 import signal
 
 import pytest
@@ -121,3 +122,26 @@ def test_offline_cache_trains_like_online(tmp_path):
     with pytest.raises(ValueError, match="holds layers"):
         Trainer(tiny_run_config(tmp_path / "bad", "data.hidden_states=offline", f"data.cache_dir={cache}",
                                 "head.type=eagle1"))
+
+
+def test_draft_vocab_can_be_counted_on_another_source(tmp_path, capsys):
+    from eyas.data.vocab import read_vocab_map
+    from eyas.models import Target
+
+    words = ["hello", "world", "the", "a", "."] + [f"w{i}" for i in range(240, 250)]
+    other = tmp_path / "other.jsonl"
+    with open(other, "w") as f:
+        for i in range(8):
+            answer = " ".join(words[(i + j) % len(words)] for j in range(20))
+            f.write(json.dumps({"messages": [{"role": "user", "content": "w1 w2"},
+                                             {"role": "assistant", "content": answer}]}) + "\n")
+    config = tiny_run_config(tmp_path / "run", "schedule.total_steps=1", "head.draft_vocab_size=48",
+                             f"data.vocab_source={other}", "logging.eval_batches=0")
+    run(config)
+    assert re.search(r"draft vocab: 48 tokens cover \d+\.\d% of training targets \(counted on .*other.jsonl: 100\.0% there\)",
+                     capsys.readouterr().out)
+    target = Target.load(config.target.spec)
+    draft = read_vocab_map(tmp_path / "run" / "vocab_map.safetensors").draft_to_target
+    ids = set(target.tokenizer.convert_tokens_to_ids(words))
+    assert ids <= set(draft.tolist())  # every token the other source trains on is in the vocab
+    assert torch.equal(load_head(tmp_path / "run" / "head").draft_to_target, draft)

@@ -128,3 +128,14 @@ def collate(rows: list[dict[str, Any]], pad_id: int) -> dict[str, torch.Tensor]:
 
 def vocab_cache_path(config: DataConfig, output_dir: str) -> Path:
     return Path(config.vocab_cache) if config.vocab_cache else Path(output_dir) / "vocab_map.safetensors"
+
+
+def vocab_source_rows(config: DataConfig, tokenizer):
+    """Every row (input_ids, loss_mask) of `vocab_source`, read with the data layer's default field names and
+    tokenized like the training data: what the draft vocab is counted on instead of the training set."""
+    from eyas.data import build_examples
+
+    examples, _ = build_examples(config.vocab_source, tokenizer, max_length=config.max_length,
+                                 assistant_turns=config.assistant_turns,
+                                 num_proc=config.num_proc if config.num_proc > 1 else None)
+    return examples

@@ -28,7 +28,7 @@ from eyas.models.signals import GracefulStop
 
 from . import checkpoint
 from .config import RunConfig, dump_config
-from .data import ExampleStream, collate, load_examples, micro_batch_start, vocab_cache_path
+from .data import ExampleStream, collate, load_examples, micro_batch_start, vocab_cache_path, vocab_source_rows
 from .losses import DistillationLoss, acceptance
 from .target_sharding import choose_placement, held_parameters, shard_target
 
@@ -128,14 +128,17 @@ class Trainer:
             raise ValueError(f"the hidden-state cache {c.data.cache_dir} holds layers {self.train_set.layer_ids}, the "
                              f"head fuses {list(head_config.fused_layer_ids)}: set head.fused_layer_ids to match")
         if hc.type == "eagle3" and head_config.draft_vocab_size < head_config.vocab_size:
-            from eyas.data.vocab import build_vocab_map
+            from eyas.data.vocab import build_vocab_map, coverage
 
             vocab_path = vocab_cache_path(c.data, c.output_dir)
-            counted = self.train_set.token_rows() if offline else self.train_set  # the cache: tokens only
-            with acc.main_process_first():
+            train_rows = self.train_set.token_rows() if offline else self.train_set  # the cache: tokens only
+            with acc.main_process_first():  # the main process tokenizes (a vocab_source) and caches first
+                counted = train_rows if c.data.vocab_source is None else vocab_source_rows(c.data, self.target.tokenizer)
                 vocab = build_vocab_map(counted, self.target.tokenizer, head_config.draft_vocab_size, vocab_path)
             head.set_vocab_map(vocab.draft_to_target)
-            self.log(f"draft vocab: {head_config.draft_vocab_size} tokens cover {vocab.coverage:.1%} of training targets")
+            counted_on = "" if counted is train_rows else f" (counted on {c.data.vocab_source}: {vocab.coverage:.1%} there)"
+            self.log(f"draft vocab: {head_config.draft_vocab_size} tokens cover "
+                     f"{coverage(train_rows, vocab.draft_to_target, len(self.target.tokenizer)):.1%} of training targets{counted_on}")
 
         self.world = acc.num_processes
         self.global_batch = c.batch.size * self.world * c.batch.grad_accum
