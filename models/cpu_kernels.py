@@ -124,8 +124,9 @@ def _sdpa_gqa(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: 
     """transformers' sdpa attention, except for a masked forward of several query rows in a GQA layer on CPU:
     query [B, heads, T, D], key/value [B, kv_heads, S, D], mask [B, 1, T, S] -> ([B, T, heads, D], None).
     There transformers repeats key and value per query head (SDPA's own GQA falls back to its slow kernel
-    with a mask on CUDA); torch's CPU kernel reads each key/value head once instead (SmolLM2's 9/3 heads,
-    500 cached tokens, 4 new: 364 -> 166 us per layer, 16 new: 3.9 -> 0.56 ms; same result)."""
+    with a mask on CUDA); torch's CPU kernel reads each key/value head once instead, with the same result
+    (SmolLM2, 9 query / 3 kv heads, one layer, 500 cached tokens, 4 new: 364 -> 166 us; a whole verify of
+    2-32 tokens over that cache 0.90-0.93x the time)."""
     if (getattr(module, "num_key_value_groups", 1) == 1 or attention_mask is None or query.shape[2] == 1
             or query.device.type != "cpu" or kwargs.get("softcap") is not None or kwargs.get("position_bias") is not None):
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
