@@ -136,9 +136,12 @@ class Trainer:
                 counted = train_rows if c.data.vocab_source is None else vocab_source_rows(c.data, self.target.tokenizer)
                 vocab = build_vocab_map(counted, self.target.tokenizer, head_config.draft_vocab_size, vocab_path)
             head.set_vocab_map(vocab.draft_to_target)
-            counted_on = "" if counted is train_rows else f" (counted on {c.data.vocab_source}: {vocab.coverage:.1%} there)"
-            self.log(f"draft vocab: {head_config.draft_vocab_size} tokens cover "
-                     f"{coverage(train_rows, vocab.draft_to_target, len(self.target.tokenizer)):.1%} of training targets{counted_on}")
+            if counted is train_rows:
+                covered, counted_on = vocab.coverage, ""
+            else:
+                covered = coverage(train_rows, vocab.draft_to_target, len(self.target.tokenizer))
+                counted_on = f" (counted on {c.data.vocab_source}: {vocab.coverage:.1%} there)"
+            self.log(f"draft vocab: {head_config.draft_vocab_size} tokens cover {covered:.1%} of training targets{counted_on}")
 
         self.world = acc.num_processes
         self.global_batch = c.batch.size * self.world * c.batch.grad_accum
