@@ -57,9 +57,13 @@ def token_counts(dataset: datasets.Dataset, vocab_size: int, batch_size: int = 1
 
 def coverage(dataset: datasets.Dataset, draft_to_target: torch.Tensor, vocab_size: int) -> float:
     """Fraction of the loss-masked tokens of `dataset` that are in the draft vocabulary."""
-    counts = token_counts(dataset, vocab_size)
+    return _share(token_counts(dataset, vocab_size), draft_to_target.cpu().numpy())
+
+
+def _share(counts: np.ndarray, ids: np.ndarray) -> float:
+    """counts [V] per target id -> the fraction of all counted tokens that fall on `ids`."""
     total = int(counts.sum())
-    return float(counts[draft_to_target.cpu().numpy()].sum() / total) if total else 0.0
+    return float(counts[ids].sum() / total) if total else 0.0
 
 
 def build_vocab_map(dataset: datasets.Dataset, tokenizer: PreTrainedTokenizerBase, draft_vocab_size: int,
@@ -82,9 +86,7 @@ def build_vocab_map(dataset: datasets.Dataset, tokenizer: PreTrainedTokenizerBas
     counts = token_counts(dataset, vocab_size)
     order = np.lexsort((np.arange(vocab_size), -counts))  # by count desc, then id asc
     chosen = np.sort(order[:draft_vocab_size])
-    total = int(counts.sum())
-    vm = VocabMap(torch.from_numpy(chosen).long(), float(counts[chosen].sum() / total) if total else 0.0,
-                  _digest(parts), parts)
+    vm = VocabMap(torch.from_numpy(chosen).long(), _share(counts, chosen), _digest(parts), parts)
     if cache_path is not None:
         save_vocab_map(vm, cache_path)
     return vm

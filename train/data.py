@@ -35,11 +35,7 @@ def load_examples(config: DataConfig, target, seed: int) -> tuple[Examples, Exam
         cache = HiddenStateDataset(config.cache_dir, target)
         train_idx, held_idx = split_indices(len(cache), config.held_out, seed)
         return Subset(cache, train_idx), Subset(cache, held_idx), f"{len(cache)} cached examples in {config.cache_dir}"
-    from eyas.data import build_examples
-
-    examples, skips = build_examples(config.source, target.tokenizer, max_length=config.max_length,
-                                     assistant_turns=config.assistant_turns, field_map=config.field_map,
-                                     limit=config.limit, num_proc=config.num_proc if config.num_proc > 1 else None)
+    examples, skips = _tokenized(config, config.source, target.tokenizer, field_map=config.field_map, limit=config.limit)
     train_idx, held_idx = split_indices(len(examples), config.held_out, seed)
     return examples.select(train_idx), examples.select(held_idx), str(skips)
 
@@ -133,9 +129,13 @@ def vocab_cache_path(config: DataConfig, output_dir: str) -> Path:
 def vocab_source_rows(config: DataConfig, tokenizer):
     """Every row (input_ids, loss_mask) of `vocab_source`, read with the data layer's default field names and
     tokenized like the training data: what the draft vocab is counted on instead of the training set."""
+    return _tokenized(config, config.vocab_source, tokenizer)[0]
+
+
+def _tokenized(config: DataConfig, source: str, tokenizer, field_map: dict[str, str] | None = None,
+               limit: int | None = None):
+    """`source` through the data layer with the config's template options: (examples, skip counts)."""
     from eyas.data import build_examples
 
-    examples, _ = build_examples(config.vocab_source, tokenizer, max_length=config.max_length,
-                                 assistant_turns=config.assistant_turns,
-                                 num_proc=config.num_proc if config.num_proc > 1 else None)
-    return examples
+    return build_examples(source, tokenizer, max_length=config.max_length, assistant_turns=config.assistant_turns,
+                          field_map=field_map, limit=limit, num_proc=config.num_proc if config.num_proc > 1 else None)
