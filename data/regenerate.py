@@ -8,7 +8,8 @@ and explicit position ids give every row its own positions. The cache is preallo
 headroom (a step writes one column in place, no per-step copy of the whole cache); columns no row
 needs any more are dropped from the left by moving a start index. Prompts that start in the same
 step are prefilled together (packed into bins, each token seeing only its own prompt) and spliced
-into their rows.
+into their rows, longest first: rows of similar length then sit together, and the target's attention
+reads each group of them only as far back as its longest row (models/cpu_kernels.py:ragged_rows).
 
 Hidden states come for free: every forward also returns the EAGLE features of the chosen layers
 and the final normed hidden state, so the states of the finished example (prompt prefill +
@@ -361,7 +362,12 @@ def regenerate(
 
     def refill(rows: list[int]) -> None:
         """Give each of `rows` its next turn; the new prompts are prefilled in groups of at most prefill_tokens."""
-        todo = [(r, ids) for r in rows if (ids := next_prompt(r)) is not None]
+        starting = sorted(r for r in rows if next_prompt(r) is not None)
+        # Longest prompt in the lowest row: rows then stay sorted by length as they grow together, so the
+        # target's attention can read each group of similar rows only as far back as they need (ragged_rows).
+        for r, job in zip(starting, sorted((slots[r] for r in starting), key=lambda j: -len(j.prompt))):
+            slots[r] = job
+        todo = [(r, slots[r].prompt) for r in starting]
         i = 0
         while i < len(todo):
             j, tokens = i + 1, len(todo[i][1])

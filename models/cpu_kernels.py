@@ -1,17 +1,21 @@
-"""eyas's own kernels for the frozen target's few-row forwards on CPU, where the stock path is slow.
+"""eyas's own kernels for the frozen target's forwards on CPU, where the stock path is slow.
 
 A tree verify runs the target over 2..32 new tokens; on CPU in fp32 two of transformers' stock paths
 make that cost far more than one token although the weights and the cache are read once either way:
 - F.linear repacks its weight on every call with more than one row (`CpuLinear`, `cpu_linears`);
 - sdpa attention with a mask repeats a GQA layer's keys and values for every query head, a copy of
   the whole cache in every layer (`gqa_attention`).
-Both take effect only for the duration of a Target forward and only where they apply (CPU, fp32 for
+A batch of sequences of different lengths (regeneration's slots) pays a third: every row's attention
+reads the cache up to the longest row. With a padding mask, rows are attended in groups, each group
+over only the columns some row of it can see (`ragged_spans`, `ragged_rows`).
+All take effect only for the duration of a Target forward and only where they apply (CPU, fp32 for
 the linears); anywhere else the model's own code runs, so every target still works unmodified.
 """
 
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import functools
 from typing import Sequence
 
@@ -121,12 +125,26 @@ GQA_SDPA = "eyas_sdpa"
 def _sdpa_gqa(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
               attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
               is_causal: bool | None = None, **kwargs) -> tuple[torch.Tensor, None]:
-    """transformers' sdpa attention, except for a masked forward of several query rows in a GQA layer on CPU:
+    """transformers' sdpa attention, with two changes on CPU where a mask is given:
     query [B, heads, T, D], key/value [B, kv_heads, S, D], mask [B, 1, T, S] -> ([B, T, heads, D], None).
-    There transformers repeats key and value per query head (SDPA's own GQA falls back to its slow kernel
-    with a mask on CUDA); torch's CPU kernel reads each key/value head once instead, with the same result
-    (SmolLM2, 9 query / 3 kv heads, one layer, 500 cached tokens, 4 new: 364 -> 166 us; a whole verify of
-    2-32 tokens over that cache 0.90-0.93x the time)."""
+    - Inside `ragged_rows`, each span of rows attends only to the last columns it needs (`_attend_spans`).
+    - A masked forward of several query rows in a GQA layer reads each key/value head once, where
+      transformers repeats key and value per query head (SDPA's own GQA falls back to its slow kernel
+      with a mask on CUDA) - the same result (SmolLM2, 9 query / 3 kv heads, one layer, 500 cached
+      tokens, 4 new: 364 -> 166 us; a whole verify of 2-32 tokens over that cache 0.90-0.93x the time)."""
+    spans = _SPANS.get()
+    if (spans is not None and attention_mask is not None and query.device.type == "cpu"
+            and attention_mask.shape[0] == query.shape[0] and attention_mask.shape[-1] == key.shape[2]):
+        parts = [_sdpa_gqa_dense(module, query[a:b], key[a:b, :, -m:], value[a:b, :, -m:],
+                                 attention_mask[a:b, ..., -m:], dropout, scaling, is_causal, **kwargs)[0]
+                 for a, b, m in spans]
+        return (parts[0] if len(parts) == 1 else torch.cat(parts)), None
+    return _sdpa_gqa_dense(module, query, key, value, attention_mask, dropout, scaling, is_causal, **kwargs)
+
+
+def _sdpa_gqa_dense(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                    attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
+                    is_causal: bool | None = None, **kwargs) -> tuple[torch.Tensor, None]:
     if (getattr(module, "num_key_value_groups", 1) == 1 or attention_mask is None or query.shape[2] == 1
             or query.device.type != "cpu" or kwargs.get("softcap") is not None or kwargs.get("position_bias") is not None):
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
@@ -153,3 +171,48 @@ def gqa_attention(model: PreTrainedModel, enabled: bool = True):
         yield
     finally:
         config._attn_implementation = "sdpa"
+
+
+# ---- ragged rows ---------------------------------------------------------------------------------
+SPAN_CALL_COST = 128  # one more attention call costs about as much as reading this many more (row, column)s
+_SPANS: contextvars.ContextVar[list[tuple[int, int, int]] | None] = contextvars.ContextVar("eyas_spans", default=None)
+
+
+def ragged_spans(need: Sequence[int], call_cost: int) -> list[tuple[int, int, int]]:
+    """Split rows 0..B-1, where row r attends only to the last need[r] key columns, into contiguous spans
+    (first, end, columns = the most any row in it needs) minimizing sum(rows x columns) + call_cost per span:
+    the attention of a span reads `columns` for each of its rows, and each span is one more kernel call.
+    Exact dynamic program, O(B^2) for B rows (64 rows: ~1 ms of Python per forward)."""
+    n = len(need)
+    best, cut = [0] + [None] * n, [0] * (n + 1)  # best[j]: cheapest split of rows [0, j); cut[j]: its last span's start
+    for j in range(1, n + 1):
+        widest = 0
+        for i in range(j - 1, -1, -1):
+            widest = max(widest, need[i])
+            cost = best[i] + (j - i) * widest + call_cost
+            if best[j] is None or cost < best[j]:
+                best[j], cut[j] = cost, i
+    spans, j = [], n
+    while j:
+        spans.append((cut[j], j, max(need[cut[j]: j])))
+        j = cut[j]
+    return spans[::-1]
+
+
+@contextlib.contextmanager
+def ragged_rows(padding_mask: torch.Tensor | None, enabled: bool = True):
+    """For the duration of the block, `_sdpa_gqa` attends each span of rows (`ragged_spans`) only over the
+    key columns to the right of its rows' first visible one. padding_mask [B, S] (True/1 = visible),
+    the 2D mask of a forward whose S key columns end with its new tokens; rows whose visible columns
+    start at different places (left padding, right-aligned caches) read less. Anything else: no change."""
+    if not enabled or padding_mask is None or padding_mask.dim() != 2 or padding_mask.device.type != "cpu":
+        yield
+        return
+    visible = padding_mask.bool()
+    need = (visible.shape[1] - visible.int().argmax(1)).tolist()  # columns from each row's first visible one
+    spans = ragged_spans(need, SPAN_CALL_COST) if min(need) < visible.shape[1] else None
+    token = _SPANS.set(spans)
+    try:
+        yield
+    finally:
+        _SPANS.reset(token)

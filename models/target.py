@@ -7,7 +7,8 @@
 - one forward over new tokens with a boolean tree mask, explicit position ids and a
   transformers Cache, plus `keep_cache` to retain only chosen cache positions.
 - the logits of only the positions asked for; on CPU, eyas's kernels for the few-row forwards a
-  tree verify makes (`cpu_kernels.py`: linear layers and GQA attention).
+  tree verify makes and for batches of rows of different lengths (`cpu_kernels.py`: linear layers,
+  GQA attention, ragged rows).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from torch import nn
 from transformers import AutoTokenizer, DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 
 from .config import TargetIdentity
-from .cpu_kernels import CpuLinear, cpu_linears, gqa_attention
+from .cpu_kernels import CpuLinear, cpu_linears, gqa_attention, ragged_rows
 from .masks import additive_mask
 
 DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
@@ -146,7 +147,8 @@ class Target(nn.Module):
             if i < self.num_layers:
                 hooks.append(self._layers[i].register_forward_pre_hook(_capture(captured, i), with_kwargs=True))
         try:
-            with cpu_linears(self._linears, b * t), gqa_attention(self.model, self.cpu_kernels):
+            with (cpu_linears(self._linears, b * t), gqa_attention(self.model, self.cpu_kernels),
+                  ragged_rows(attention_mask, self.cpu_kernels)):
                 out = self.model.get_decoder()(
                     input_ids=input_ids,
                     attention_mask=attention_mask,

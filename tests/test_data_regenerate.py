@@ -60,7 +60,10 @@ def ctrl_c():
     os.kill(os.getpid(), signal.SIGINT)
 
 
-def test_batched_greedy_equals_one_at_a_time():
+@pytest.mark.parametrize("span_cost", [None, 0])  # 0: every row of the right-aligned cache attends over its own columns
+def test_batched_greedy_equals_one_at_a_time(span_cost, monkeypatch):
+    if span_cost is not None:
+        monkeypatch.setattr("eyas.models.cpu_kernels.SPAN_CALL_COST", span_cost)
     target = tiny_target()
     single, _ = run(target, 1)
     batched, stats = run(target, 3)
@@ -78,15 +81,17 @@ def test_batched_greedy_equals_one_at_a_time():
 
 def test_grouped_prefill_equals_one_prompt_at_a_time(monkeypatch):
     target = tiny_target()
-    groups = []
+    groups = []  # (rows, prompt lengths) of every prefill
     real = SlotBatch.prefill
-    monkeypatch.setattr(SlotBatch, "prefill", lambda self, rows, prompts, lids: groups.append(len(rows))
-                        or real(self, rows, prompts, lids))
+    monkeypatch.setattr(SlotBatch, "prefill", lambda self, rows, prompts, lids: groups.append(
+        (rows, [len(p) for p in prompts])) or real(self, rows, prompts, lids))
     alone, _ = run(target, 4, prefill_tokens=1)
-    assert set(groups) == {1}
+    assert {len(rows) for rows, _ in groups} == {1}
     groups.clear()
     grouped, _ = run(target, 4)
-    assert max(groups) == 4  # the four first prompts (of different lengths) went in together
+    rows, lengths = groups[0]
+    assert len(rows) == 4 and len(set(lengths)) > 1  # the four first prompts (of different lengths) went in together
+    assert rows == sorted(rows) and lengths == sorted(lengths, reverse=True)  # longest in the lowest row
     for i, job in alone.items():
         assert grouped[i].out == job.out and grouped[i].generated == job.generated
 

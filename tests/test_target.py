@@ -204,3 +204,54 @@ def test_masked_gqa_attention_reads_each_key_head_once_with_unchanged_results(ar
     assert seen and all(kv == 4 for _, kv in seen)  # transformers' sdpa repeats them
     torch.testing.assert_close(fast, slow, rtol=1e-5, atol=1e-5)
     assert target.model.config._attn_implementation == "sdpa"  # only for the duration of the forward
+
+
+def test_ragged_spans_are_the_cheapest_contiguous_split():
+    import itertools
+
+    from eyas.models.cpu_kernels import ragged_spans
+
+    g = torch.Generator().manual_seed(0)
+    for n in range(1, 9):
+        need = torch.randint(1, 400, (n,), generator=g).tolist()
+        spans = ragged_spans(need, call_cost=100)
+        assert [a for a, _, _ in spans] == [0] + [b for _, b, _ in spans[:-1]] and spans[-1][1] == n  # covers every row once
+        assert all(m == max(need[a:b]) for a, b, m in spans)  # each span reads as far as its neediest row
+
+        def cost(cuts):
+            bounds = [0, *cuts, n]
+            return sum((b - a) * max(need[a:b]) + 100 for a, b in zip(bounds, bounds[1:]))
+
+        cheapest = min(cost(c) for k in range(n) for c in itertools.combinations(range(1, n), k))
+        assert cost([b for _, b, _ in spans[:-1]]) == cheapest
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_rows_of_different_lengths_attend_only_over_their_own_columns(arch, monkeypatch):
+    """Left-padded rows (as regeneration's right-aligned cache holds them): the same logits as the model's own
+    attention, while the attention of short rows reads fewer key columns than the batch's widest row."""
+    import eyas.models.cpu_kernels as kernels
+
+    target = tiny_target(arch)
+    plain = Target(target.model, target.tokenizer, "as-is", cpu_kernels=False)
+    monkeypatch.setattr(kernels, "SPAN_CALL_COST", 0)  # tiny rows: splitting must not look too dear to happen
+    widths = []
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention",
+                        lambda q, k, v, *a, **kw: widths.append(k.shape[2]) or sdpa(q, k, v, *a, **kw))
+    lens = [12, 9, 5, 3]
+    ids = torch.randint(4, 300, (len(lens), 12))
+    mask = torch.arange(12)[None] >= 12 - torch.tensor(lens)[:, None]  # [B, 12], right-aligned rows
+    pos = (torch.arange(12)[None] - (12 - torch.tensor(lens)[:, None])).clamp(min=0)
+    step = torch.randint(4, 300, (len(lens), 1))
+    logits = {}
+    for name, t in (("eyas", target), ("plain", plain)):
+        widths.clear()
+        cache = t.new_cache()
+        first = t(ids, position_ids=pos, attention_mask=mask, cache=cache).logits
+        nxt = t(step, position_ids=torch.tensor(lens)[:, None], attention_mask=torch.cat([mask, torch.ones(4, 1).bool()], 1),
+                cache=cache).logits
+        logits[name] = (first[mask], nxt, list(widths))
+    assert min(logits["eyas"][2]) < 12 and min(logits["plain"][2]) >= 12  # spans read less; the model reads all
+    torch.testing.assert_close(logits["eyas"][0], logits["plain"][0], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(logits["eyas"][1], logits["plain"][1], rtol=1e-5, atol=1e-5)
