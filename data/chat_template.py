@@ -95,3 +95,24 @@ def render_with_mask(tokenizer: PreTrainedTokenizerBase, messages: Sequence[dict
             if ids[k - 1] in eos:  # generation stops here; the rest of the span is template glue
                 break
     return Rendered(ids, mask)
+
+
+def encode_prompt(tokenizer: PreTrainedTokenizerBase, prompt) -> list[int]:
+    """Token ids of a prompt: ids as they are, text tokenized as it is, chat messages ([{"role", "content"}])
+    through the tokenizer's chat template with the generation prompt."""
+    from eyas.models.errors import InputError
+
+    if hasattr(prompt, "tolist") and not isinstance(prompt, (str, list, tuple)):
+        ids = prompt.flatten().tolist()
+    elif isinstance(prompt, str):
+        ids = tokenizer(prompt)["input_ids"]
+    elif prompt and isinstance(prompt[0], dict):
+        if not getattr(tokenizer, "chat_template", None):
+            raise InputError("the target's tokenizer has no chat template: give the prompt as text or token ids")
+        ids = tokenizer.apply_chat_template(list(prompt), add_generation_prompt=True, tokenize=True)
+        ids = ids["input_ids"] if not isinstance(ids, list) else ids
+    else:
+        ids = [int(t) for t in prompt]
+    if not ids:
+        raise InputError("the prompt is empty: give at least one token")
+    return list(ids)

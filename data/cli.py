@@ -157,7 +157,9 @@ def _load_examples(folder: str, split: str = "train"):
 
     path = Path(folder) / split
     if not path.is_dir():
-        raise FileNotFoundError(f"{path} does not exist; run `eyas data prepare --out {folder}` first")
+        from eyas.models.errors import MissingInput
+
+        raise MissingInput(f"{path} does not exist; run `eyas data prepare --out {folder}` first")
     return datasets.load_from_disk(str(path))
 
 
@@ -184,7 +186,8 @@ def _cache_hidden(args: argparse.Namespace) -> int:
 def _regenerate(args: argparse.Namespace) -> int:
     import torch
 
-    from eyas.data.regenerate import GenerationConfig, regenerate_jsonl
+    from eyas.data.regen_store import regenerate_jsonl
+    from eyas.data.regenerate import RegenConfig
     from eyas.data.sources import load_conversations
     from eyas.models import Target
 
@@ -195,7 +198,7 @@ def _regenerate(args: argparse.Namespace) -> int:
     print(info)
     if args.limit is not None:
         convs = convs.select(range(min(args.limit, len(convs))))
-    cfg = GenerationConfig(args.max_new_tokens, args.temperature, args.top_p, args.seed, args.max_length, args.max_turns)
+    cfg = RegenConfig(args.max_new_tokens, args.temperature, args.top_p, args.seed, args.max_length, args.max_turns)
     cache = args.cache_hidden is not None
     stats = regenerate_jsonl(target, convs, args.out, cfg, args.batch_size,
                              layer_ids=_cache_layers(args, target) if cache else None, cache_hidden=args.cache_hidden,

@@ -10,7 +10,7 @@ features [len(layer_ids) * H], in bf16/fp16. Layout of a cache folder:
 
 Shards hold consecutive examples and are written atomically, then listed in index.json, so a
 killed run resumes at the first missing shard. Reading is memory-mapped (safetensors safe_open).
-A cache written during regeneration (regenerate.py) also stores each shard's dataset ids ("ids"
+A cache written during regeneration (regen_store.py) also stores each shard's dataset ids ("ids"
 [n] int64) and its JSONL lines (header metadata), which make the cache the source of truth.
 """
 
@@ -19,6 +19,7 @@ from __future__ import annotations
 import bisect
 import hashlib
 import json
+import logging
 import shutil
 from dataclasses import asdict
 from pathlib import Path
@@ -32,6 +33,9 @@ from tqdm.auto import tqdm
 
 from eyas.models.atomic import atomic_file
 from eyas.models.target import Target, resolve_dtype
+from eyas.models.errors import MissingInput
+
+logger = logging.getLogger(__name__)
 
 INDEX = "index.json"
 _STORAGE = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
@@ -54,7 +58,7 @@ def _run_batch(target: Target, rows: list[list[int]], layer_ids: Sequence[int]):
     for i, r in enumerate(rows):
         ids[i, : len(r)] = torch.tensor(r)
         pad[i, : len(r)] = True
-    out = target(ids.to(target.device), attention_mask=pad.to(target.device), layer_ids=layer_ids, logits=False)
+    out = target(ids.to(target.device), padding_mask=pad.to(target.device), layer_ids=layer_ids, logits=False)
     return [(out.hidden[i, : len(r)], None if out.features is None else out.features[i, : len(r)])
             for i, r in enumerate(rows)]
 
@@ -153,9 +157,9 @@ def cache_hidden(target: Target, dataset: datasets.Dataset, folder: str | Path, 
     todo_tokens = sum(lengths[done:])
     need = todo_tokens * writer.bytes_per_token()
     free = shutil.disk_usage(writer.folder).free
-    print(f"hidden-state cache {writer.folder}: {todo_tokens:,} tokens to store "
-          f"({len(dataset) - done} of {len(dataset)} examples), "
-          f"~{need / 1e9:.2f} GB ({writer.bytes_per_token():,} bytes/token); {free / 1e9:.1f} GB free")
+    logger.info("hidden-state cache %s: %s tokens to store (%d of %d examples), ~%.2f GB (%s bytes/token); %.1f GB free",
+                writer.folder, f"{todo_tokens:,}", len(dataset) - done, len(dataset), need / 1e9,
+                f"{writer.bytes_per_token():,}", free / 1e9)
     if need > free:
         raise ValueError(f"the hidden-state cache needs ~{need / 1e9:.1f} GB but {writer.folder} has "
                          f"{free / 1e9:.1f} GB free")
@@ -183,7 +187,7 @@ class HiddenStateDataset(torch.utils.data.Dataset):
     def __init__(self, folder: str | Path, target: Target | None = None) -> None:
         self.folder = Path(folder)
         if not (self.folder / INDEX).is_file():
-            raise FileNotFoundError(f"{self.folder} is not a hidden-state cache (no {INDEX})")
+            raise MissingInput(f"{self.folder} is not a hidden-state cache (no {INDEX})")
         self.index = json.loads((self.folder / INDEX).read_text())
         if not self.index["complete"]:
             raise ValueError(f"hidden-state cache {self.folder} is incomplete ({self.index['num_examples']} examples "

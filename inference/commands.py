@@ -91,9 +91,10 @@ def _add_model_options(p: argparse.ArgumentParser) -> None:
 
 def _add_sampling_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-new-tokens", type=int, default=256, help="new tokens per reply (default 256)")
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default); >0 samples")
-    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling threshold (default 1.0 = off)")
-    p.add_argument("--top-k", type=int, default=0, help="sampling top-k (default 0 = off)")
+    p.add_argument("--temperature", type=float, default=None,
+                   help="0 = greedy, >0 samples (default: the target's generation_config, as `model.generate` uses it)")
+    p.add_argument("--top-p", type=float, default=None, help="nucleus sampling threshold (default: generation_config)")
+    p.add_argument("--top-k", type=int, default=None, help="sampling top-k, 0 = off (default: generation_config)")
 
 
 def _load_generator(args: argparse.Namespace):
@@ -109,7 +110,7 @@ def _sampling_kwargs(args: argparse.Namespace) -> dict:
 
 def format_stats(stats) -> str:
     """One line: τ, throughput, and where the time went."""
-    n = sum(stats.accepted) + 1  # + the token sampled at prefill
+    n = sum(stats.accepted)
     overhead = stats.total_time_s - stats.draft_time_s - stats.target_time_s
     return (f"tau {stats.mean_accepted:.2f} tokens/forward over {len(stats.accepted)} cycles | {n} tokens in "
             f"{stats.total_time_s:.2f}s ({n / max(stats.total_time_s, 1e-9):.1f} tok/s) | draft {stats.draft_time_s:.2f}s "
@@ -204,7 +205,9 @@ def _bench(args: argparse.Namespace) -> int:
     from .bench import format_table, run_bench
 
     report = run_bench(args.target, args.head, args.questions, max_new_tokens=args.max_new_tokens,
-                       temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
+                       # the bench states its settings for every side: greedy unless asked (not generation_config)
+                       temperature=args.temperature or 0.0, top_p=args.top_p or 1.0, top_k=args.top_k or 0,
+                       seed=args.seed,
                        dtype=args.dtype, device=args.device, limit=args.limit, per_category=args.per_category,
                        threads=args.threads,
                        prompt_lookup=args.prompt_lookup, eyas_plain=args.eyas_plain, out=args.out,

@@ -86,7 +86,9 @@ def _find_config(config: str | os.PathLike) -> Path:
     beside_source = Path(__file__).resolve().parents[1] / path
     if not path.is_absolute() and beside_source.is_file():
         return beside_source
-    raise FileNotFoundError(f"training config {config} not found (run from the eyas checkout or pass --config)")
+    from eyas.models.errors import MissingInput
+
+    raise MissingInput(f"training config {config} not found (run from the eyas checkout or pass --config)")
 
 
 def _step(argv: list[str]) -> int:

@@ -56,14 +56,14 @@ def ancestor_mask(parents: torch.Tensor, max_depth: int) -> torch.Tensor:
 def on_continuation(tree: DraftTree, continuation: torch.Tensor, length: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Which nodes spell the tokens that actually followed the root: (on [B, N], known [B, N]) bool.
 
-    continuation [B, L] right-aligned: the last length[b] entries of row b are the tokens after the root,
-    in order. A node is on it when its path equals the first `depth` of them; its fate is known when
-    its depth is within length, or when an ancestor already differs. The root is on it.
+    continuation [B, L]: row b's first length[b] entries are the tokens after the root, in order. A node is on
+    it when its path equals the first `depth` of them; its fate is known when its depth is within length, or
+    when an ancestor already differs. The root is on it.
     """
     width = continuation.shape[1]
     d = tree.depth
     within = d <= length[:, None]
-    expect = continuation.gather(1, ((width - length)[:, None] + d - 1).clamp(0, width - 1))
+    expect = continuation.gather(1, (d - 1).clamp(0, width - 1))
     match = (d == 0) | ~within | (tree.tokens == expect)  # beyond the continuation: undecided, not wrong
     alive = match
     for _ in range(int(d.max())):  # alive: the node and all its ancestors match
@@ -71,21 +71,15 @@ def on_continuation(tree: DraftTree, continuation: torch.Tensor, length: torch.T
     return alive & within, within | ~alive
 
 
-def tree_attention(valid: torch.Tensor, ancestors: torch.Tensor) -> torch.Tensor:
-    """valid [B, L] (real tokens in the cache) + ancestors [B, N, N] -> allowed [B, N, L+N]."""
-    b, n, _ = ancestors.shape
-    return torch.cat([valid[:, None, :].expand(b, n, -1), ancestors], dim=2)
-
-
 def path_to(ancestors: torch.Tensor, node: torch.Tensor, length: int) -> torch.Tensor:
-    """Node indices root..node [B, length], right-aligned: shorter paths are padded at the front
-    with the root (callers mark those slots invalid), so column -1 is always the newest node.
-
-    ancestors [B, N, N]; node [B]. Index order is root-to-leaf order because parents precede children.
-    """
+    """Node indices root..node [B, length], left-aligned: a shorter path is padded after its end with its last
+    node (callers know each row's length). ancestors [B, N, N]; node [B]. Index order is root-to-leaf order
+    because parents precede children."""
     row = ancestors.gather(1, node[:, None, None].expand(-1, 1, ancestors.shape[2]))[:, 0]  # [B, N]
-    key = torch.where(row, torch.arange(row.shape[1], device=row.device), -1)
-    return key.sort(dim=1).values[:, -length:].clamp(min=0)
+    n = row.shape[1]
+    key = torch.where(row, torch.arange(n, device=row.device), n)  # non-path nodes sort last
+    path = key.sort(dim=1).values[:, :length]
+    return torch.where(path < n, path, node[:, None])
 
 
 # ---- static shapes -------------------------------------------------------------------------

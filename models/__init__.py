@@ -7,9 +7,10 @@ import importlib
 
 _EXPORTS = {
     "HeadConfig": "config", "TargetIdentity": "config", "default_fused_layer_ids": "config",
-    "DraftHead": "head", "HeadOutput": "head", "HeadCache": "layers",
+    "check_head_matches": "config", "DraftHead": "head", "HeadOutput": "head", "KVCache": "kv_cache",
     "Target": "target", "TargetOutput": "target", "head_config_for": "head_config",
-    "save_head": "head_format", "load_head": "head_format", "HeadTargetMismatch": "head_format",
+    "save_head": "layouts", "load_head": "layouts", "export_head": "layouts",
+    "EyasError": "errors", "InputError": "errors", "HeadTargetMismatch": "errors", "Unsupported": "errors",
 }
 __all__ = sorted(_EXPORTS)
 

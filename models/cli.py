@@ -28,7 +28,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from .interop import export_head
+    from .layouts import export_head
     from .target import Target
 
     target = Target.load(args.target) if args.target else None

@@ -10,6 +10,8 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from .errors import HeadTargetMismatch
+
 HeadType = Literal["eagle1", "eagle3"]
 HEAD_TYPES: tuple[str, ...] = ("eagle1", "eagle3")
 
@@ -49,6 +51,10 @@ class HeadConfig:
     rope_theta: float = 10000.0
     max_position_embeddings: int = 4096
     attention_bias: bool = False
+    # The head's own attention window (tokens), None = the whole context. eyas trains full-attention heads
+    # for every target, sliding-window ones included (the head is one layer: seeing the whole context is
+    # cheap and keeps long-range evidence); released heads that carry a window run with it.
+    sliding_window: int | None = None
     target: TargetIdentity | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
@@ -56,6 +62,8 @@ class HeadConfig:
             raise ValueError(f"head_type {self.head_type!r} is not one of {HEAD_TYPES}")
         if self.num_layers < 1:
             raise ValueError(f"num_layers must be >= 1, got {self.num_layers}")
+        if self.sliding_window is not None and self.sliding_window < 1:
+            raise ValueError(f"sliding_window must be >= 1 or null, got {self.sliding_window}")
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError(
                 f"num_attention_heads ({self.num_attention_heads}) is not a multiple of "
@@ -110,3 +118,29 @@ def default_fused_layer_ids(num_hidden_layers: int) -> tuple[int, ...]:
     n = num_hidden_layers
     ids = (min(2, n - 1), n // 2, max(n - 3, 0))
     return tuple(sorted(set(ids)))
+
+
+def check_head_matches(config: HeadConfig, target) -> None:
+    """Raise HeadTargetMismatch naming the first property where a head (config) and a Target disagree."""
+    trained = config.target
+    for name, head_value, target_value in [
+        ("hidden size", config.hidden_size, target.hidden_size),
+        ("vocab size", config.vocab_size, target.vocab_size),
+    ]:
+        if head_value != target_value:
+            raise HeadTargetMismatch(
+                f"{name} mismatch: the head was trained for {head_value}, target {target.name_or_path!r} has {target_value}"
+            )
+    if config.fused_layer_ids and max(config.fused_layer_ids) > target.num_layers:
+        raise HeadTargetMismatch(
+            f"layer mismatch: the head fuses target layers {list(config.fused_layer_ids)}, "
+            f"target {target.name_or_path!r} has only {target.num_layers}"
+        )
+    if trained is not None and trained.tokenizer_fingerprint:
+        current = target.identity().tokenizer_fingerprint
+        if current and current != trained.tokenizer_fingerprint:
+            raise HeadTargetMismatch(
+                f"tokenizer mismatch: the head was trained for {trained.name_or_path!r} whose tokenizer vocabulary "
+                f"differs from that of target {target.name_or_path!r} (fingerprints {trained.tokenizer_fingerprint[:19]}… "
+                f"vs {current[:19]}…)"
+            )

@@ -4,12 +4,14 @@ A tree verify runs the target over 2..32 new tokens; on CPU in fp32 two of trans
 make that cost far more than one token although the weights and the cache are read once either way:
 - F.linear repacks its weight on every call with more than one row (`CpuLinear`, `cpu_linears`);
 - sdpa attention with a mask repeats a GQA layer's keys and values for every query head, a copy of
-  the whole cache in every layer (`gqa_attention`).
+  the whole cache in every layer (`cpu_attention`).
 A batch of sequences of different lengths (regeneration's slots) pays a third: every row's attention
-reads the cache up to the longest row. With a padding mask, rows are attended in groups, each group
-over only the columns some row of it can see (`ragged_spans`, `ragged_rows`).
+reads the cache up to the longest row. Rows are attended in groups, each over only the columns some
+row of it can see (`ragged_spans`, `cpu_attention(need=...)`).
 All take effect only for the duration of a Target forward and only where they apply (CPU, fp32 for
-the linears); anywhere else the model's own code runs, so every target still works unmodified.
+the linears, the model's attention going through transformers' "sdpa" entry); anywhere else the
+model's own code runs, so every target still works unmodified. The model's configuration is never
+touched: models that branch on `config._attn_implementation` keep their own code path.
 """
 
 from __future__ import annotations
@@ -22,9 +24,8 @@ from typing import Sequence
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers import AttentionInterface, PreTrainedModel
+from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
-from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 
 class CpuLinear:
@@ -119,70 +120,79 @@ def _row_product(x: torch.Tensor, weight_t: torch.Tensor, bias: torch.Tensor | N
 
 
 # ---- attention ----------------------------------------------------------------------------------
-GQA_SDPA = "eyas_sdpa"
+# Set only inside `cpu_attention`: (the function the "sdpa" entry held before, the ragged spans or None).
+_ACTIVE: contextvars.ContextVar[tuple | None] = contextvars.ContextVar("eyas_cpu_attention", default=None)
 
 
-def _sdpa_gqa(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-              attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
-              is_causal: bool | None = None, **kwargs) -> tuple[torch.Tensor, None]:
-    """transformers' sdpa attention, with two changes on CPU where a mask is given:
+def _sdpa(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+          attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
+          is_causal: bool | None = None, **kwargs) -> tuple[torch.Tensor, None]:
+    """transformers' "sdpa" attention while a Target forward runs, with two changes on CPU where a mask is given:
     query [B, heads, T, D], key/value [B, kv_heads, S, D], mask [B, 1, T, S] -> ([B, T, heads, D], None).
-    - Inside `ragged_rows`, each span of rows attends only over the last columns its rows can see.
+    - With ragged spans, each span of rows attends only over the first columns its rows can see.
     - A masked forward of several query rows in a GQA layer reads each key/value head once, where
       transformers repeats key and value per query head (SDPA's own GQA falls back to its slow kernel
       with a mask on CUDA) - the same result (SmolLM2, 9 query / 3 kv heads, one layer, 500 cached
-      tokens, 4 new: 364 -> 166 us; a whole verify of 2-32 tokens over that cache 0.90-0.93x the time)."""
-    spans = _SPANS.get()
-    if (spans is not None and attention_mask is not None and query.device.type == "cpu"
-            and attention_mask.shape[0] == query.shape[0] and attention_mask.shape[-1] == key.shape[2]):
-        parts = [_sdpa_gqa_dense(module, query[a:b], key[a:b, :, -m:], value[a:b, :, -m:],
-                                 attention_mask[a:b, ..., -m:], dropout, scaling, is_causal, **kwargs)[0]
-                 for a, b, m in spans]
+      tokens, 4 new: 364 -> 166 us; a whole verify of 2-32 tokens over that cache 0.90-0.93x the time).
+    Outside a Target forward (another thread, another model) the stock function runs."""
+    state = _ACTIVE.get()
+    stock = state[0] if state is not None else sdpa_attention_forward
+    args = (dropout, scaling, is_causal)
+    if state is None or query.device.type != "cpu":
+        return stock(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, is_causal=is_causal,
+                     **kwargs)
+    spans = state[1]
+    if (spans is not None and attention_mask is not None and attention_mask.shape[0] == query.shape[0]
+            and attention_mask.shape[-1] == key.shape[2]):
+        parts = [_sdpa_gqa(stock, module, query[a:b], key[a:b, :, :m], value[a:b, :, :m],
+                           attention_mask[a:b, ..., :m], *args, **kwargs)[0] for a, b, m in spans]
         return (parts[0] if len(parts) == 1 else torch.cat(parts)), None
-    return _sdpa_gqa_dense(module, query, key, value, attention_mask, dropout, scaling, is_causal, **kwargs)
+    return _sdpa_gqa(stock, module, query, key, value, attention_mask, *args, **kwargs)
 
 
-def _sdpa_gqa_dense(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                    attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
-                    is_causal: bool | None = None, **kwargs) -> tuple[torch.Tensor, None]:
-    """`_sdpa_gqa` over all the rows it is given at once (the GQA change only)."""
+def _sdpa_gqa(stock, module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+              attention_mask: torch.Tensor | None, dropout: float, scaling: float | None, is_causal: bool | None,
+              **kwargs) -> tuple[torch.Tensor, None]:
+    """`_sdpa` over all the rows it is given at once (the GQA change only)."""
     if (getattr(module, "num_key_value_groups", 1) == 1 or attention_mask is None or query.shape[2] == 1
-            or query.device.type != "cpu" or kwargs.get("softcap") is not None or kwargs.get("position_bias") is not None):
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
-                                      is_causal=is_causal, **kwargs)
+            or kwargs.get("softcap") is not None or kwargs.get("position_bias") is not None
+            or kwargs.get("s_aux") is not None):
+        return stock(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, is_causal=is_causal,
+                     **kwargs)
     out = F.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask, dropout_p=dropout,
                                          scale=scaling, enable_gqa=True)
     return out.transpose(1, 2).contiguous(), None
 
 
-AttentionInterface.register(GQA_SDPA, _sdpa_gqa)
-AttentionMaskInterface.register(GQA_SDPA, sdpa_mask)  # the same masks as sdpa
-
-
 @contextlib.contextmanager
-def gqa_attention(model: PreTrainedModel, enabled: bool = True):
-    """For the duration of the block, a model running transformers' sdpa attention runs `_sdpa_gqa` instead
-    (the model's own attention modules pick their function from the config at call time)."""
-    config = model.config.get_text_config()
-    if not enabled or config._attn_implementation != "sdpa":
+def cpu_attention(enabled: bool = True, need: Sequence[int] | None = None):
+    """For the duration of the block, models whose attention goes through transformers' "sdpa" entry run `_sdpa`.
+    need[b]: the key columns row b can see, counted from the first (rows of different lengths, left-aligned in
+    the cache); rows are then attended in spans (`ragged_spans`) when that reads less."""
+    if not enabled:
         yield
         return
-    config._attn_implementation = GQA_SDPA
+    spans = ragged_spans(need, SPAN_CALL_COST) if need and min(need) < max(need) else None
+    mapping = AttentionInterface._global_mapping
+    previous = mapping.get("sdpa", sdpa_attention_forward)
+    token = _ACTIVE.set((previous if previous is not _sdpa else sdpa_attention_forward, spans))
+    mapping["sdpa"] = _sdpa
     try:
         yield
     finally:
-        config._attn_implementation = "sdpa"
+        _ACTIVE.reset(token)
+        if _ACTIVE.get() is None:  # the outermost block restores the entry
+            mapping["sdpa"] = previous if previous is not _sdpa else sdpa_attention_forward
 
 
 # ---- ragged rows ---------------------------------------------------------------------------------
 # One more attention call costs about as much as reading this many more (row, column)s: ~20 us per SDPA call
 # against ~0.15-0.25 us per row and column (SmolLM2's 3 kv heads of 64, one thread).
 SPAN_CALL_COST = 128
-_SPANS: contextvars.ContextVar[list[tuple[int, int, int]] | None] = contextvars.ContextVar("eyas_spans", default=None)
 
 
 def ragged_spans(need: Sequence[int], call_cost: int) -> list[tuple[int, int, int]]:
-    """Split rows 0..B-1, where row r attends only to the last need[r] key columns, into contiguous spans
+    """Split rows 0..B-1, where row r attends only to the first need[r] key columns, into contiguous spans
     (first, end, columns = the most any row in it needs) minimizing sum(rows x columns) + call_cost per span:
     the attention of a span reads `columns` for each of its rows, and each span is one more kernel call.
     Exact dynamic program, O(B^2) for B rows (64 rows: ~1 ms of Python per forward)."""
@@ -200,22 +210,3 @@ def ragged_spans(need: Sequence[int], call_cost: int) -> list[tuple[int, int, in
         spans.append((cut[j], j, max(need[cut[j]: j])))
         j = cut[j]
     return spans[::-1]
-
-
-@contextlib.contextmanager
-def ragged_rows(padding_mask: torch.Tensor | None, enabled: bool = True):
-    """For the duration of the block, `_sdpa_gqa` attends each span of rows (`ragged_spans`) only over the
-    key columns to the right of its rows' first visible one. padding_mask [B, S] (True/1 = visible),
-    the 2D mask of a forward whose S key columns end with its new tokens; rows whose visible columns
-    start at different places (left padding, right-aligned caches) read less. Anything else: no change."""
-    if not enabled or padding_mask is None or padding_mask.dim() != 2 or padding_mask.device.type != "cpu":
-        yield
-        return
-    visible = padding_mask.bool()
-    need = (visible.shape[1] - visible.int().argmax(1)).tolist()  # columns from each row's first visible one
-    spans = ragged_spans(need, SPAN_CALL_COST) if min(need) < visible.shape[1] else None
-    token = _SPANS.set(spans)
-    try:
-        yield
-    finally:
-        _SPANS.reset(token)

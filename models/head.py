@@ -16,10 +16,12 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from .config import HeadConfig
-from .layers import DecoderLayer, HeadCache, RMSNorm, Rotary
-from .masks import additive_mask
+from .config import HeadConfig, check_head_matches
+from .kv_cache import KVCache
+from .layers import DecoderLayer, RMSNorm, Rotary
+from .masks import additive, windowed
 from .target import Target
+from .ttt import TTTAttention
 
 
 @dataclass
@@ -59,20 +61,18 @@ class DraftHead(nn.Module):
 
     def bind(self, target: Target) -> None:
         """Borrow the target's embedding (and, for eagle1, its lm_head) after checking it fits."""
-        from .head_format import check_head_matches
-
         check_head_matches(self.config, target)
         self.shared["embed_tokens"] = target.embed_tokens
         self.shared["lm_head"] = target.lm_head
 
     @classmethod
     def from_pretrained(cls, folder: str, target: Target | None = None, **kw) -> "DraftHead":
-        from .head_format import load_head
+        from .layouts import load_head
 
         return load_head(folder, target, **kw)
 
     def save_pretrained(self, folder: str) -> None:
-        from .head_format import save_head
+        from .layouts import save_head
 
         save_head(self, folder)
 
@@ -118,16 +118,17 @@ class DraftHead(nn.Module):
         input_ids: torch.Tensor,
         hidden: torch.Tensor,
         position_ids: torch.Tensor,
-        attention_mask: torch.Tensor | None = None,
-        cache: HeadCache | None = None,
+        allowed: torch.Tensor | None = None,
+        cache: KVCache | TTTAttention | None = None,
         logits: bool = True,
     ) -> HeadOutput:
         """One draft step.
 
-        input_ids [B, T]: the token at each position (the token *after* the position whose
-        feature is in `hidden`, as in EAGLE); hidden [B, T, H] from `fuse` or a previous step;
-        position_ids [B, T]; attention_mask [B, T, len(cache)+T] bool (True = may attend), or None for
-        causal attention within this block (only valid with an empty cache); cache is extended in place.
+        input_ids [B, T]: the token at each position (the token *after* the position whose feature is in
+        `hidden`, as in EAGLE); hidden [B, T, H] from `fuse` or a previous step; position_ids [B, T];
+        allowed [B, T, cache.width + T] bool: which cache columns each token may see (masks.after_history),
+        or None for causal attention within this block (an empty cache, or training's TTTAttention).
+        A KVCache gets this block's keys/values as pending entries (the caller commits or rolls back).
         logits=False skips the vocabulary projection (training projects only the rows that carry loss).
         """
         if self.shared["embed_tokens"] is None:
@@ -137,11 +138,23 @@ class DraftHead(nn.Module):
         x = hidden.to(dtype)
         if self.config.head_type == "eagle1":
             x = self.fc(torch.cat([emb, x], dim=-1))
-        mask = None if attention_mask is None else additive_mask(attention_mask, dtype)
+        position_ids = position_ids.expand(input_ids.shape)  # the frontier of a level shares one position
         rope = self.rotary(position_ids, dtype)
-        for i, layer in enumerate(self.layers):
-            x = layer(x, rope, mask, cache, i, emb=emb if i == 0 else None)
+        if isinstance(cache, KVCache):
+            with cache.writing(position_ids):
+                mask = None if allowed is None else self._mask(allowed, position_ids, cache)
+                for i, layer in enumerate(self.layers):
+                    x = layer(x, rope, mask, cache, i, emb=emb if i == 0 else None)
+        else:
+            mask = None if allowed is None else additive(allowed, dtype)
+            for i, layer in enumerate(self.layers):
+                x = layer(x, rope, mask, cache, i, emb=emb if i == 0 else None)
         return HeadOutput(logits=self.project(x) if logits else None, hidden=x)
+
+    def _mask(self, allowed: torch.Tensor, position_ids: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        kind = ("sliding", self.config.sliding_window) if self.config.sliding_window else ("full", None)
+        key_pos = cache.key_positions(allowed.shape[2])  # the block's own entries are recorded already
+        return additive(windowed(allowed, kind, position_ids, key_pos), self.fc.weight.dtype)
 
     def project(self, hidden: torch.Tensor) -> torch.Tensor:
         """Head hidden [..., H] -> logits [..., draft_vocab_size] (eagle1: the target's lm_head)."""
@@ -149,5 +162,6 @@ class DraftHead(nn.Module):
             return self.lm_head(self.norm(hidden))
         return self.shared["lm_head"](hidden.to(self.shared["lm_head"].weight.dtype))
 
-    def new_cache(self) -> HeadCache:
-        return HeadCache(self.config.num_layers)
+    def new_cache(self, batch: int, capacity: int) -> KVCache:
+        """The head's KV cache while drafting: the same kind as the target's, slot for slot."""
+        return KVCache(self.config.num_layers, batch, capacity, self.fc.weight.device)

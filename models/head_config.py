@@ -15,6 +15,8 @@ def head_config_for(
     """HeadConfig for `target`; draft_vocab_size defaults to the full vocab, EAGLE-3 layers to 2, N//2, N-3."""
     c = target.config
     heads = c.num_attention_heads
+    # the head's MLP width is its own choice; mirror the target's where the config names it
+    intermediate = getattr(c, "intermediate_size", None) or getattr(c, "ffn_hidden_size", None) or 4 * target.hidden_size
     if head_type == "eagle3":
         ids = tuple(fused_layer_ids) if fused_layer_ids is not None else default_fused_layer_ids(target.num_layers)
     else:
@@ -22,7 +24,7 @@ def head_config_for(
     return HeadConfig(
         head_type=head_type,
         hidden_size=target.hidden_size,
-        intermediate_size=c.intermediate_size,
+        intermediate_size=intermediate,
         num_attention_heads=heads,
         num_key_value_heads=getattr(c, "num_key_value_heads", None) or heads,
         head_dim=getattr(c, "head_dim", None) or target.hidden_size // heads,
@@ -30,7 +32,7 @@ def head_config_for(
         draft_vocab_size=draft_vocab_size or target.vocab_size if head_type == "eagle3" else target.vocab_size,
         fused_layer_ids=ids,
         num_layers=num_layers,
-        rms_norm_eps=getattr(c, "rms_norm_eps", 1e-6),
+        rms_norm_eps=getattr(c, "rms_norm_eps", None) or getattr(c, "layer_norm_eps", None) or 1e-6,
         rope_theta=_rope_theta(c),
         max_position_embeddings=getattr(c, "max_position_embeddings", 4096),
         target=target.identity(),

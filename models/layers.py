@@ -1,8 +1,8 @@
 """The draft head's decoder layer: Llama-style RMSNorm, RoPE, GQA attention and SwiGLU MLP.
 
 Written out (not borrowed from a transformers model class) because the EAGLE-3 first layer
-attends over [norm(embedding); norm(hidden)] of width 2H, and because drafting needs
-explicit 4D masks and a KV cache that can be trimmed to arbitrary positions.
+attends over [norm(embedding); norm(hidden)] of width 2H, and because drafting needs explicit
+masks over eyas's KV cache (kv_cache.py) and training its packed TTT attention (ttt.py).
 """
 
 from __future__ import annotations
@@ -12,6 +12,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import HeadConfig
+from .kv_cache import KVCache
+from .ttt import TTTAttention
 
 
 class RMSNorm(nn.Module):
@@ -33,129 +35,23 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 class Rotary(nn.Module):
-    """RoPE evaluated at explicit position ids (tree nodes share depths, not indices)."""
+    """RoPE evaluated at explicit position ids (tree nodes share depths, not indices).
+
+    The frequencies stay fp32 whatever the head's dtype (they are not a buffer, so `.to(bf16)` leaves them):
+    in bf16, theta 5e5 at position 2000 would put the phase off by radians, and a bf16 head would then
+    disagree with the fp32 one it was trained as. cos/sin are computed in fp32 and only then cast."""
 
     def __init__(self, head_dim: int, theta: float) -> None:
         super().__init__()
-        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
-        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self.inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)).float()
 
     def forward(self, position_ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         # position_ids [B, T] -> cos, sin [B, 1, T, head_dim]
+        if self.inv_freq.device != position_ids.device:
+            self.inv_freq = self.inv_freq.to(position_ids.device)
         freqs = position_ids[..., None].float() * self.inv_freq
         emb = torch.cat((freqs, freqs), dim=-1)[:, None]
         return emb.cos().to(dtype), emb.sin().to(dtype)
-
-
-class HeadCache:
-    """Per-layer key/value tensors of the draft head, [B, kv_heads, L, head_dim] each."""
-
-    def __init__(self, num_layers: int) -> None:
-        self.keys: list[torch.Tensor | None] = [None] * num_layers
-        self.values: list[torch.Tensor | None] = [None] * num_layers
-
-    def __len__(self) -> int:
-        return 0 if self.keys[0] is None else self.keys[0].shape[2]
-
-    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.keys[layer] is not None:
-            k = torch.cat([self.keys[layer], k], dim=2)
-            v = torch.cat([self.values[layer], v], dim=2)
-        self.keys[layer], self.values[layer] = k, v
-        return k, v
-
-    def crop(self, length: int) -> None:
-        """Drop everything past the first `length` positions (e.g. the last draft tree)."""
-        for i, k in enumerate(self.keys):
-            if k is not None:
-                self.keys[i] = k[:, :, :length]
-                self.values[i] = self.values[i][:, :, :length]
-
-    def keep(self, index: torch.Tensor) -> None:
-        """Keep positions `index` [B, L'] (per row, in order); everything else is dropped."""
-        for i, k in enumerate(self.keys):
-            if k is not None:
-                idx = index[:, None, :, None].expand(-1, k.shape[1], -1, k.shape[3])
-                self.keys[i] = k.gather(2, idx)
-                self.values[i] = self.values[i].gather(2, idx)
-
-    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-               mask: torch.Tensor | None) -> torch.Tensor:
-        """Append this block's k, v [B, kv_heads, T, D] and attend q [B, heads, T, D] over the whole cache."""
-        if mask is None and self.keys[layer] is not None:  # this layer's keys: layer 0 is filled first
-            raise ValueError("attention_mask is required when the head cache is not empty")
-        k, v = self.update(layer, k, v)
-        return attend(q, k, v, mask)
-
-    def outputs(self, layer: int, x: torch.Tensor) -> torch.Tensor:
-        """The rows of layer `layer`'s residual stream x [B, T, H] that go on through its MLP: all of them
-        (TTTCache keeps fewer at step 0)."""
-        return x
-
-
-class TTTCache(HeadCache):
-    """Training-time test (EAGLE-3): step 0 batched at every sequence index, then steps i >= 1 packed.
-
-    A step-i query at index t sees the step-0 keys at indices <= t of its own batch element and its
-    own chain's keys of steps 1..i, all at index t. As a dense mask [T, (i+1)T] = [causal | eye | ...]
-    the eye blocks cost O(T^2) each for O(T) useful entries, so here the chain's keys are kept per
-    query row, [kv_heads, P, i, D], scored elementwise and merged with the causal step-0 block in
-    one softmax. Steps i >= 1 run as one packed sequence [1, P] of rows ordered by batch element, so
-    no compute goes to padding when batch elements keep different numbers of rows.
-
-    Step 0 needs every index's keys/values but only some indices' outputs (those the loss or a later
-    step reads): `step0_rows` [P0] (flat indices b * T + t, ascending) makes the last layer drop the
-    others before its MLP, so step 0 returns hidden [1, P0, H] instead of [B, T, H]. None: all rows.
-    """
-
-    def __init__(self, num_layers: int, step0_rows: torch.Tensor | None = None) -> None:
-        super().__init__(num_layers)
-        self.step0_rows = step0_rows
-        self.chain_keys: list[torch.Tensor | None] = [None] * num_layers
-        self.chain_values: list[torch.Tensor | None] = [None] * num_layers
-        self.query_index: torch.Tensor | None = None  # [P] sequence index t of each packed row; None at step 0
-        self.batch_sizes: list[int] = []  # packed rows per batch element, in order
-
-    def next_step(self, query_index: torch.Tensor, batch_sizes: list[int], keep: torch.Tensor) -> None:
-        """The next step runs at packed rows with index query_index [P], batch_sizes[b] of them in batch
-        element b; keep [P_prev] bool: which rows of the previous step continue (in order)."""
-        self.query_index, self.batch_sizes = query_index, batch_sizes
-        for i, k in enumerate(self.chain_keys):
-            if k is not None:
-                self.chain_keys[i], self.chain_values[i] = k[:, keep], self.chain_values[i][:, keep]
-
-    def outputs(self, layer: int, x: torch.Tensor) -> torch.Tensor:
-        if self.query_index is not None or self.step0_rows is None or layer < len(self.keys) - 1:
-            return x  # earlier layers: every index's output feeds the next layer's keys/values
-        return x.flatten(0, 1).index_select(0, self.step0_rows)[None]  # [1, P0, H]
-
-    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-               mask: torch.Tensor | None) -> torch.Tensor:
-        if self.query_index is None:  # step 0: plain causal attention over every index
-            return super().attend(layer, q, k, v, mask)
-        if mask is not None:
-            raise ValueError("TTTCache builds its own mask; pass attention_mask=None")
-        # q [1, heads, P, D] -> [kv, rep, P, D]: GQA by broadcasting instead of repeating keys
-        _, heads, p, d = q.shape
-        kv = k.shape[1]
-        q = q.reshape(kv, heads // kv, p, d) * d ** -0.5
-        new_k, new_v = k[0, :, :, None], v[0, :, :, None]  # [kv, P, 1, D]
-        old_k, old_v = self.chain_keys[layer], self.chain_values[layer]
-        chain_k = new_k if old_k is None else torch.cat([old_k, new_k], dim=2)  # [kv, P, i, D]
-        chain_v = new_v if old_v is None else torch.cat([old_v, new_v], dim=2)
-        self.chain_keys[layer], self.chain_values[layer] = chain_k, chain_v
-        keys, values = self.keys[layer], self.values[layer]  # step 0: [B, kv, T, D]
-        t = keys.shape[2]
-        segments = q.split(self.batch_sizes, dim=2)  # per batch element [kv, rep, P_b, D]
-        scores = torch.cat([qb @ keys[i, :, None].transpose(-1, -2) for i, qb in enumerate(segments)], dim=2)
-        causal = torch.arange(t, device=q.device) <= self.query_index[:, None]  # [P, T]
-        scores = scores.masked_fill(~causal, float("-inf"))  # [kv, rep, P, T]
-        chain = torch.einsum("krpd,kpid->krpi", q, chain_k)  # [kv, rep, P, i]
-        probs = torch.softmax(torch.cat([scores, chain], dim=-1), dim=-1)
-        step0 = torch.cat([pb @ values[i, :, None]
-                           for i, pb in enumerate(probs[..., :t].split(self.batch_sizes, dim=2))], dim=2)
-        out = step0 + torch.einsum("krpi,kpid->krpd", probs[..., t:], chain_v)  # [kv, rep, P, D]
-        return out.reshape(1, heads, p, d)
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
@@ -182,7 +78,7 @@ class Attention(nn.Module):
         x: torch.Tensor,
         rope: tuple[torch.Tensor, torch.Tensor],
         mask: torch.Tensor | None,
-        cache: HeadCache | None,
+        cache: KVCache | TTTAttention | None,
         layer_idx: int,
     ) -> torch.Tensor:
         b, t, _ = x.shape
@@ -191,8 +87,12 @@ class Attention(nn.Module):
         v = self.v_proj(x).view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
         cos, sin = rope
         q, k = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
-        # mask [B, 1, T, S] additive (0 / -inf); None means plain causal over a cache-free block.
-        out = attend(q, k, v, mask) if cache is None else cache.attend(layer_idx, q, k, v, mask)
+        if isinstance(cache, TTTAttention) and cache.packed:  # training, TTT steps >= 1
+            out = cache.attend(layer_idx, q, k, v)
+        else:  # mask [B, 1, T, S] additive (0 / -inf); None means plain causal over a cache-free block
+            if cache is not None:
+                k, v = cache.update(k, v, layer_idx)
+            out = attend(q, k, v, mask)
         return self.o_proj(out.transpose(1, 2).flatten(2))  # [B, T, H]; flatten, not view(b, t, -1): T may be 0
 
 
@@ -230,7 +130,7 @@ class DecoderLayer(nn.Module):
         x: torch.Tensor,
         rope: tuple[torch.Tensor, torch.Tensor],
         mask: torch.Tensor | None,
-        cache: HeadCache | None,
+        cache: KVCache | TTTAttention | None,
         layer_idx: int,
         emb: torch.Tensor | None = None,
     ) -> torch.Tensor:
@@ -239,6 +139,6 @@ class DecoderLayer(nn.Module):
         else:
             attn_in = self.input_layernorm(x) if self.input_layernorm is not None else x
         x = x + self.self_attn(attn_in, rope, mask, cache, layer_idx)
-        if cache is not None:
+        if isinstance(cache, TTTAttention):
             x = cache.outputs(layer_idx, x)  # TTT step 0: the MLP runs only where the output is read
         return x + self.mlp(self.post_attention_layernorm(x))

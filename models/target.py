@@ -1,40 +1,53 @@
 """The frozen target: any unmodified transformers causal LM, seen through what a draft head needs.
 
-- features: the inputs of chosen decoder layers (EAGLE-3) and the final normed hidden state
-  (EAGLE-1), in HF `hidden_states` numbering: id i < N is the input of layer i, id N the final
-  normed state. Captured with forward pre-hooks, so no other layer's activations are kept.
-- the borrowed modules: input embedding and lm_head.
-- one forward over new tokens with a boolean tree mask, explicit position ids and a
-  transformers Cache, plus `keep_cache` to retain only chosen cache positions.
-- the logits of only the positions asked for; on CPU, eyas's kernels for the few-row forwards a
-  tree verify makes and for batches of rows of different lengths (`cpu_kernels.py`: linear layers,
-  GQA attention, ragged rows).
+- features: the inputs of chosen decoder layers (EAGLE-3) and the final hidden state (EAGLE-1), in HF
+  `hidden_states` numbering: id i < N is the input of layer i, id N the decoder's output. Captured with
+  forward pre-hooks, so no other layer's activations are kept.
+- logits: computed by the model's own CausalLM forward from the decoder's output (`logits`), so whatever
+  the model does after its decoder (soft-capping, logit scales, hidden-state scaling) is done as the model
+  does it, for every model, and only for the rows asked for.
+- one forward over new tokens into the KV cache (kv_cache.py) with a boolean mask of what each token may
+  see; eyas narrows it per layer to the model's own attention kinds (full, sliding window, chunked).
+- `verify_mode`: whether the model verifies a draft tree in one forward exactly, checked once against
+  the model's own forward; models that take positions from their mask (ALiBi) verify chains instead.
+- on CPU, eyas's kernels for the few-row forwards a tree verify makes and for batches of rows of
+  different lengths (`cpu_kernels.py`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
+import logging
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Sequence
 
 import torch
 from torch import nn
-from transformers import AutoTokenizer, DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+from transformers.cache_utils import get_layer_types_and_kwargs
 
 from .config import TargetIdentity
-from .cpu_kernels import CpuLinear, cpu_linears, gqa_attention, ragged_rows
-from .masks import additive_mask
+from .cpu_kernels import CpuLinear, cpu_attention, cpu_linears
+from .errors import InputError, Unsupported
+from .kv_cache import KVCache
+from .masks import Kind, additive, after_history, windowed
+
+logger = logging.getLogger(__name__)
 
 DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
           "fp16": torch.float16, "float16": torch.float16}
+# transformers' layer types -> the attention kind eyas masks them with (masks.windowed)
+_KINDS = {"full_attention": "full", "sliding_attention": "sliding", "chunked_attention": "chunked"}
 
 
 def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
     if isinstance(dtype, torch.dtype):
         return dtype
     if dtype not in DTYPES:
-        raise ValueError(f"unknown dtype {dtype!r}; use one of {sorted(DTYPES)}")
+        raise InputError(f"unknown dtype {dtype!r}; use one of {sorted(DTYPES)}")
     return DTYPES[dtype]
 
 
@@ -46,10 +59,9 @@ def tokenizer_fingerprint(tokenizer: PreTrainedTokenizerBase) -> str:
 
 @dataclass
 class TargetOutput:
-    logits: torch.Tensor | None  # [B, T, V]
-    hidden: torch.Tensor  # [B, T, H] final normed hidden state (EAGLE-1 feature)
+    logits: torch.Tensor | None  # [B, T, V] or [B, K, V] at the rows asked for
+    hidden: torch.Tensor  # [B, T, H] the decoder's output (EAGLE-1 feature)
     features: torch.Tensor | None  # [B, T, len(layer_ids) * H] concatenated layer inputs (EAGLE-3)
-    cache: DynamicCache | None
 
 
 def _decoder_layers(model: PreTrainedModel) -> nn.ModuleList:
@@ -57,7 +69,31 @@ def _decoder_layers(model: PreTrainedModel) -> nn.ModuleList:
     for module in model.get_decoder().modules():
         if isinstance(module, nn.ModuleList) and len(module) == n:
             return module
-    raise ValueError(f"could not find the {n} decoder layers of {type(model).__name__}")
+    raise Unsupported(f"could not find the {n} decoder layers of {type(model).__name__}")
+
+
+class _GivenOutput:
+    """The decoder output a CausalLM reads: the given hidden states, nothing else (router logits, caches: None)."""
+
+    def __init__(self, hidden: torch.Tensor) -> None:
+        self.last_hidden_state = hidden
+
+    def __getitem__(self, i: int) -> torch.Tensor | None:
+        return self.last_hidden_state if i == 0 else None
+
+    def __getattr__(self, name: str) -> None:  # only for attributes not set above
+        return None
+
+
+class _Given(nn.Module):
+    """Stands in for the decoder while the CausalLM turns given hidden states into logits."""
+
+    def __init__(self, hidden: torch.Tensor) -> None:
+        super().__init__()
+        self.hidden = hidden
+
+    def forward(self, *args, **kwargs) -> _GivenOutput:
+        return _GivenOutput(self.hidden)
 
 
 class Target(nn.Module):
@@ -79,9 +115,12 @@ class Target(nn.Module):
         self.num_layers: int = text.num_hidden_layers
         self._layers = _decoder_layers(model)
         self._fingerprint: str | None = None
+        self._kinds: dict[str, Kind] | None = None
+        self._verify_mode: str | None = None
         self.cpu_kernels = cpu_kernels
         self.logit_projection = CpuLinear(self.lm_head, row_copy=True, enabled=cpu_kernels)  # every logit eyas computes
         self._linears = [CpuLinear(m, enabled=cpu_kernels) for m in self._layers.modules() if type(m) is nn.Linear]
+        self._linears.append(self.logit_projection)
 
     # ---- identity and borrowed modules ----------------------------------------------------------
     @property
@@ -109,36 +148,73 @@ class Target(nn.Module):
             self._fingerprint = tokenizer_fingerprint(self.tokenizer) if self.tokenizer is not None else ""
         return TargetIdentity(self.name_or_path, self.hidden_size, self.vocab_size, self.num_layers, self._fingerprint)
 
+    def eos_ids(self) -> list[int]:
+        """The ids that end generation: the generation config's eos ids and the tokenizer's, as `generate` stops."""
+        ids = getattr(self.model.generation_config, "eos_token_id", None)
+        ids = set([ids] if isinstance(ids, int) else ids or [])
+        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
+            ids.add(self.tokenizer.eos_token_id)
+        return sorted(ids)
+
+    def attention_kinds(self) -> dict[str, Kind]:
+        """transformers' layer type -> its attention kind, for every type the decoder uses."""
+        if self._kinds is not None:
+            return self._kinds
+        types, kwargs = get_layer_types_and_kwargs(self.model.config.get_text_config(decoder=True))
+        kinds: dict[str, Kind] = {}
+        for layer_type, kw in zip(types, kwargs):
+            if layer_type not in _KINDS:
+                raise Unsupported(f"target {self.name_or_path!r} has {layer_type!r} layers; eyas verifies drafts over "
+                                  f"attention layers only ({', '.join(_KINDS)})")
+            kind = (_KINDS[layer_type], kw.get("sliding_window"))
+            if kinds.setdefault(layer_type, kind) != kind:
+                raise Unsupported(f"target {self.name_or_path!r} has {layer_type!r} layers with different windows")
+        self._kinds = kinds
+        return kinds
+
     # ---- forward -----------------------------------------------------------------------------
-    def new_cache(self) -> DynamicCache:
-        return DynamicCache(config=self.model.config)
+    def new_cache(self, batch: int, capacity: int) -> KVCache:
+        """An empty cache for `batch` rows of up to `capacity` tokens each."""
+        return KVCache(self.num_layers, batch, capacity, self.device)
 
     @torch.no_grad()
     def forward(
         self,
         input_ids: torch.Tensor,
         position_ids: torch.Tensor | None = None,
-        attention_mask: torch.Tensor | None = None,
-        cache: DynamicCache | None = None,
+        cache: KVCache | None = None,
+        allowed: torch.Tensor | None = None,
+        padding_mask: torch.Tensor | None = None,
         layer_ids: Sequence[int] = (),
-        logits: bool = True,
-        logits_to_keep: torch.Tensor | None = None,
+        logits: bool | torch.Tensor = True,
     ) -> TargetOutput:
         """Run the target over new tokens.
 
-        input_ids [B, T]; position_ids [B, T] (default: continue after the cache);
-        attention_mask: bool [B, T, past+T] tree mask (True = may attend), or bool/int [B, past+T]
-        padding mask, or None for plain causal; cache is extended in place.
-        logits_to_keep [B, K] (optional) index of the positions whose logits are needed.
+        input_ids [B, T]; position_ids [B, T] (default 0..T-1 after what a uniform cache holds).
+        cache: the new tokens are written after its pending entries (and stay pending until commit/rollback).
+        allowed [B, T, cache.width + T] bool: which columns each new token may see (masks.after_history);
+        None: the model's own causal masks, which needs every cache row as long (or no cache).
+        padding_mask [B, T] (without a cache): 1 for real tokens, 0 for padding.
+        logits: True for every position, False for none, or positions [B, K] of each row.
         """
-        past = cache.get_seq_length() if cache is not None else 0
         b, t = input_ids.shape
         if position_ids is None:
-            position_ids = torch.arange(past, past + t, device=input_ids.device).expand(b, -1)
-        if attention_mask is not None and attention_mask.dim() == 3:
-            if attention_mask.shape != (b, t, past + t):
-                raise ValueError(f"tree mask must be [B, T, past+T] = {(b, t, past + t)}, got {tuple(attention_mask.shape)}")
-            attention_mask = additive_mask(attention_mask, self.dtype)
+            start = 0 if cache is None else cache.uniform
+            if start is None:
+                raise ValueError("rows of different lengths need explicit position_ids")
+            start += cache.pending if cache is not None else 0
+            position_ids = torch.arange(start, start + t, device=input_ids.device).expand(b, -1)
+        position_ids = position_ids.expand(b, t)
+        mask, need = padding_mask, None
+        if allowed is not None:
+            if cache is None:
+                raise ValueError("an explicit mask needs the cache it indexes")
+            width = cache.width + t
+            if allowed.shape != (b, t, width):
+                raise ValueError(f"mask must be [B, T, width] = {(b, t, width)}, got {tuple(allowed.shape)}")
+            need = [n + cache.pending + t for n in cache.host_lengths]
+        elif cache is not None and cache.uniform is None:
+            raise ValueError("cache rows have different lengths: give the mask of what each token sees (allowed)")
         captured: dict[int, torch.Tensor] = {}
         hooks = []
         for i in layer_ids:
@@ -146,16 +222,14 @@ class Target(nn.Module):
                 raise ValueError(f"layer id {i} out of range 0..{self.num_layers}")
             if i < self.num_layers:
                 hooks.append(self._layers[i].register_forward_pre_hook(_capture(captured, i), with_kwargs=True))
+        writing = cache.writing(position_ids) if cache is not None else contextlib.nullcontext()
+        on_cpu = self.cpu_kernels and self.device.type == "cpu"
         try:
-            with (cpu_linears(self._linears, b * t), gqa_attention(self.model, self.cpu_kernels),
-                  ragged_rows(attention_mask, self.cpu_kernels)):
-                out = self.model.get_decoder()(
-                    input_ids=input_ids,
-                    attention_mask=attention_mask,
-                    position_ids=position_ids,
-                    cache=cache,
-                    use_cache=cache is not None,
-                )
+            with writing, cpu_linears(self._linears, b * t), cpu_attention(on_cpu, need):
+                if allowed is not None:
+                    mask = self._layer_masks(allowed, position_ids, cache.key_positions(width))
+                out = self.model.get_decoder()(input_ids=input_ids, attention_mask=mask, position_ids=position_ids,
+                                               cache=cache, use_cache=cache is not None)
         finally:
             for h in hooks:
                 h.remove()
@@ -163,31 +237,104 @@ class Target(nn.Module):
         captured[self.num_layers] = hidden
         features = torch.cat([captured[i] for i in layer_ids], dim=-1) if layer_ids else None
         logit_out = None
-        if logits:
-            h = hidden if logits_to_keep is None else hidden.gather(
-                1, logits_to_keep[..., None].expand(-1, -1, hidden.shape[-1]))
-            logit_out = self.logit_projection(h)
-        return TargetOutput(logits=logit_out, hidden=hidden, features=features, cache=cache)
+        if isinstance(logits, torch.Tensor):
+            logit_out = self.logits(hidden.gather(1, logits[..., None].expand(-1, -1, hidden.shape[-1])))
+        elif logits:
+            logit_out = self.logits(hidden)
+        return TargetOutput(logits=logit_out, hidden=hidden, features=features)
 
-    @staticmethod
-    def keep_cache(cache: DynamicCache, index: torch.Tensor) -> None:
-        """Keep only cache positions `index` [B, L'] (per row, ascending), e.g. prefix + accepted path.
+    def _layer_masks(self, allowed: torch.Tensor, query_pos: torch.Tensor, key_pos: torch.Tensor):
+        """The additive mask of each of the decoder's layer types (one tensor when all layers are alike)."""
+        masks = {name: additive(windowed(allowed, kind, query_pos, key_pos), self.dtype)
+                 for name, kind in self.attention_kinds().items()}
+        return next(iter(masks.values())) if len(masks) == 1 else masks
 
-        Columns that stay in place (the prefix) are not copied: only the tail is gathered, written
-        over its new place and the rest cut off, so a cycle costs its tree, not the whole context."""
-        n = index.shape[1]
-        moved = (index != torch.arange(n, device=index.device)).any(0)  # [L']
-        first = int(moved.nonzero()[0]) if bool(moved.any()) else n
-        for layer in cache.layers:
-            if getattr(layer, "keys", None) is None or layer.keys.numel() == 0:
-                continue
-            k, v = layer.keys, layer.values
-            if first < n:
-                idx = index[:, None, first:, None].to(k.device).expand(-1, k.shape[1], -1, k.shape[3])
-                k[:, :, first:n], v[:, :, first:n] = k.gather(2, idx), v.gather(2, idx)  # gathered before written
-            if hasattr(layer, "cumulative_length"):  # sliding-window layers count tokens seen
-                layer.cumulative_length -= k.shape[2] - n
-            layer.keys, layer.values = k[:, :, :n], v[:, :, :n]
+    @torch.no_grad()
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Decoder outputs [..., H] -> the model's logits [..., V], computed by the model's own CausalLM forward
+        (its decoder stood in for by the given states), so any post-processing of the logits is the model's."""
+        flat = hidden.reshape(1, -1, hidden.shape[-1])
+        parent, name = self._decoder_slot
+        decoder = parent._modules[name]
+        parent._modules[name] = _Given(flat)
+        try:
+            with cpu_linears([self.logit_projection], flat.shape[1]):
+                out = self.model(input_ids=torch.zeros(flat.shape[:2], dtype=torch.long, device=flat.device),
+                                 use_cache=False, logits_to_keep=0)
+        finally:
+            parent._modules[name] = decoder
+        return out.logits.reshape(*hidden.shape[:-1], out.logits.shape[-1])
+
+    @cached_property
+    def _decoder_slot(self) -> tuple[nn.Module, str]:
+        """(parent module, attribute) under which the CausalLM holds its decoder."""
+        decoder = self.model.get_decoder()
+        for parent in self.model.modules():
+            for name, child in parent._modules.items():
+                if child is decoder:
+                    return parent, name
+        raise Unsupported(f"{type(self.model).__name__} holds no decoder module that eyas can read the logits after")
+
+    # ---- can it verify a tree in one forward? --------------------------------------------------
+    def verify_mode(self) -> str:
+        """"tree": a forward with eyas's masks and positions gives the model's own logits at every node of a draft
+        tree, in rows of different lengths; "chain": it does not (ALiBi models, say, take positions from a 2D mask),
+        so drafts are chains, verified as plain continuations one row at a time. Checked once, on short random
+        sequences (longer than the shortest attention window, up to 48 tokens) against the model's own forward;
+        raises Unsupported if even a plain continuation through eyas's cache disagrees with it."""
+        if self._verify_mode is None:
+            with torch.no_grad():
+                self._verify_mode = self._check_verify_mode()
+        return self._verify_mode
+
+    def _check_verify_mode(self) -> str:
+        gen = torch.Generator().manual_seed(0)
+        window = min([k[1] for k in self.attention_kinds().values() if k[1]] or [12])
+        n = min(window + 4, 48)
+        rows = [torch.randint(0, self.vocab_size, (n - r,), generator=gen).tolist() for r in range(2)]
+        branches = torch.randint(0, self.vocab_size, (2, 2), generator=gen).tolist()
+        # the tree: the root (each row's last token), a1 a2 and b1 b2 below it (two branches of depth 2)
+        parents_depth = [0, 1, 2, 1, 2]
+        ancestors = torch.tensor([[1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [1, 1, 1, 0, 0], [1, 0, 0, 1, 0], [1, 0, 0, 1, 1]],
+                                 dtype=torch.bool, device=self.device)
+        dev = self.device
+
+        def own(ids: list[int]) -> torch.Tensor:  # the model's own logits, one plain forward
+            return self.model(torch.tensor([ids], device=dev), use_cache=False).logits[0].float()
+
+        reference = [torch.cat([own(r + branches[0])[-3:], own(r + branches[1])[-2:]]) for r in rows]  # [5, V] per row
+        tolerance = 1e-3 if self.dtype == torch.float32 else 3e-2
+
+        def close(logits: torch.Tensor, ref: torch.Tensor) -> bool:
+            return bool((logits.float() - ref).abs().amax() <= tolerance * ref.abs().amax().clamp(min=1e-6))
+
+        def prefilled(batch: list[list[int]]) -> KVCache:
+            cache = self.new_cache(len(batch), n + 8)
+            width = max(map(len, batch)) - 1
+            ids = torch.tensor([r[:-1] + [0] * (width - len(r) + 1) for r in batch], device=dev)
+            self.forward(ids, cache=cache, logits=False)  # right-padded: causal attention never reaches the padding
+            cache.commit([len(r) - 1 for r in batch])
+            return cache
+
+        try:
+            cache = prefilled(rows)
+            tokens = torch.tensor([[r[-1], *branches[0], *branches[1]] for r in rows], device=dev)
+            positions = cache.lengths[:, None] + torch.tensor(parents_depth, device=dev)
+            allowed = after_history(cache.lengths, ancestors.expand(2, -1, -1), cache.width + 5)
+            out = self.forward(tokens, positions, cache, allowed).logits
+            if all(close(out[b], reference[b]) for b in range(2)):
+                return "tree"
+            reason = "its logits differ from its own forward's"
+        except Exception as e:  # noqa: BLE001 - any failure means trees cannot be verified this way
+            reason = f"{type(e).__name__}: {e}"
+        cache = prefilled(rows[:1])
+        out = self.forward(torch.tensor([[rows[0][-1], *branches[0]]], device=dev), cache=cache).logits[0]
+        if not close(out, reference[0][:3]):
+            raise Unsupported(f"target {self.name_or_path!r}: a continuation through eyas's KV cache does not reproduce "
+                              "the model's own logits, so eyas cannot verify drafts for it")
+        logger.warning("target %s cannot verify a draft tree in one forward (%s): eyas drafts chains for it, one row "
+                       "at a time", self.name_or_path, reason)
+        return "chain"
 
     # ---- loading -----------------------------------------------------------------------------
     @classmethod

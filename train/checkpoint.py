@@ -26,6 +26,7 @@ from typing import Any
 
 from eyas.models import DraftHead, save_head
 from eyas.models.atomic import atomic_file
+from eyas.models.errors import MissingInput
 
 STATE, HEAD, TRAINER = "state", "head", "trainer.json"
 
@@ -77,7 +78,7 @@ def write_head(head_state: dict[str, Any], head_config, folder: Path, extra: dic
 def load_checkpoint(accelerator, folder: Path) -> dict[str, Any]:
     """Restore model/optimizer/scheduler/RNG into the prepared objects; return trainer.json."""
     if not (folder / TRAINER).is_file():
-        raise FileNotFoundError(f"{folder} is not a complete checkpoint ({TRAINER} missing)")
+        raise MissingInput(f"{folder} is not a complete checkpoint ({TRAINER} missing)")
     state = json.loads((folder / TRAINER).read_text())
     if accelerator.state.deepspeed_plugin is not None and state["world_size"] != accelerator.num_processes:
         _load_universal(accelerator, folder)

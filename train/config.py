@@ -17,9 +17,7 @@ from typing import Any, Literal
 
 import yaml
 
-
-class ConfigError(ValueError):
-    """A run config that cannot be used; the message names the key and the fix."""
+from eyas.models.errors import ConfigError, MissingInput
 
 
 @dataclass(frozen=True)
@@ -295,7 +293,7 @@ def load_config(path: str | Path | None, overrides: list[str] = ()) -> RunConfig
     if path is not None:
         path = Path(path)
         if not path.is_file():
-            raise FileNotFoundError(f"run config {path} does not exist")
+            raise MissingInput(f"run config {path} does not exist")
         try:
             raw = yaml.safe_load(path.read_text()) or {}
         except yaml.YAMLError as e:

@@ -10,7 +10,7 @@ EAGLE-3 training-time test (TTT), K unrolled steps as inference drafts them:
   step i:            token ids[t+1+i] (teacher forcing), hidden = the head's own step i-1 output at t,
                      position t+i; it predicts token t+2+i from the target logits at t+1+i.
   The step-i query at t attends to step-0 keys at indices <= t and to its own steps' keys 1..i at
-  index t only, i.e. mask [T, (i+1)T] = [causal | eye | ... | eye]; the TTTCache scores the eye
+  index t only, i.e. mask [T, (i+1)T] = [causal | eye | ... | eye]; the TTTAttention scores the eye
   blocks as elementwise products instead of dense [T, T] blocks.
   Loss = sum_i step_decay**i * soft CE against the target distribution restricted to the draft vocab
   (gathered through draft_to_target and renormalised).
@@ -21,7 +21,7 @@ index that leads to a loss (attention is causal, so later ones are read by nobod
 leaves its keys (later steps attend to them) but the last layer's MLP runs only at the indices that
 lead to a loss; step i >= 1 runs only at the indices that still carry loss at some step >= i (their
 step-i keys are only ever read by their own later steps, so the dropped rows change nothing), packed
-across the batch without padding; the own-chain (eye) attention terms are elementwise (TTTCache);
+across the batch without padding; the own-chain (eye) attention terms are elementwise (TTTAttention);
 the vocabulary projection and the soft CE run only at rows that carry loss at that step, in one
 matmul for all steps; the teacher is cut to the draft vocabulary and the loss-carrying rows once,
 before any step. What remains is matmuls (~80% of the step, profiled on
@@ -44,7 +44,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from eyas.models import DraftHead
-from eyas.models.layers import TTTCache
+from eyas.models.ttt import TTTAttention
 
 from .config import LossConfig
 
@@ -130,7 +130,7 @@ def eagle1_loss(head: DraftHead, input_ids: torch.Tensor, valid: torch.Tensor, t
     n = t - 1
     position_ids = torch.arange(n, device=input_ids.device).expand(b, -1)
     hidden_in = feature_noise(head.fuse(target_hidden[:, :n]), config.feature_noise)
-    out = head(input_ids[:, 1:], hidden_in, position_ids, logits=False)
+    out = head(input_ids[:, 1:], hidden_in, position_ids, _causal_mask(head, b, n, input_ids.device), logits=False)
     keep = valid[:, 1:]  # [B, n]
     count = keep.sum().float()
     denom = count.clamp(min=1)
@@ -175,13 +175,13 @@ def eagle3_ttt_loss(head: DraftHead, input_ids: torch.Tensor, valid: torch.Tenso
 
     # Rows are flat (b, t) -> b * n + t. Step 0 runs batched over every index [B, n] (causal): all of
     # them leave keys/values, but the last layer's MLP runs only at the rows that lead to a loss
-    # (TTTCache.step0_rows). Step i >= 1 runs packed as one sequence [1, P_i] over the rows that
-    # still lead to a loss (no padding between batch rows; the TTTCache keeps each row's attention
+    # (TTTAttention.step0_rows). Step i >= 1 runs packed as one sequence [1, P_i] over the rows that
+    # still lead to a loss (no padding between batch rows; the TTTAttention keeps each row's attention
     # within its own batch element).
     t_of = torch.arange(n, device=input_ids.device).repeat(b)  # [B*n] index t of each flat row
     b_of = torch.arange(b, device=input_ids.device).repeat_interleave(n)  # [B*n] its batch element
     rows = needed[0].flatten().nonzero().squeeze(1)  # [P_i] flat rows of this step, ascending
-    cache = TTTCache(head.config.num_layers, step0_rows=rows)
+    cache = TTTAttention(head.config.num_layers, step0_rows=rows, window=head.config.sliding_window)
     ids, positions = input_ids[:, 1:n + 1], t_of.view(b, n)  # step 0: token t+1 at every index
     picked, taught_rows = [], []  # per step: hidden [P'_i, H] of the rows with loss there, their teacher rows
     for i in range(steps):
@@ -192,7 +192,8 @@ def eagle3_ttt_loss(head: DraftHead, input_ids: torch.Tensor, valid: torch.Tenso
             cache.next_step(at, bat.bincount(minlength=b).tolist(), keep)
             # teacher forcing: token t+1+i (inside the sequence for needed rows)
             ids, positions, hidden = input_ids[bat, at + 1 + i][None], (at + i)[None], hidden[None]
-        hidden = head(ids, hidden, positions, None, cache, logits=False).hidden.flatten(0, 1)  # [P_i, H]
+        step0_mask = _causal_mask(head, b, n, input_ids.device) if i == 0 else None
+        hidden = head(ids, hidden, positions, step0_mask, cache, logits=False).hidden.flatten(0, 1)  # [P_i, H]
         sel = carries[i].flatten()[rows]  # [P_i] rows with loss at this step
         picked.append(hidden[sel])
         taught_rows.append(teacher_row[bat, at + 1 + i][sel])
@@ -214,6 +215,15 @@ def eagle3_ttt_loss(head: DraftHead, input_ids: torch.Tensor, valid: torch.Tenso
         metrics[f"count/step{i}"] = count
         metrics[f"oov/step{i}"] = oov[i].sum().float()
     return loss, metrics
+
+
+def _causal_mask(head: DraftHead, b: int, n: int, device: torch.device) -> torch.Tensor | None:
+    """Step 0's mask [B, n, n]: None (plain causal) unless the head attends within a sliding window."""
+    window = head.config.sliding_window
+    if window is None:
+        return None
+    i = torch.arange(n, device=device)
+    return ((i[None, :] <= i[:, None]) & (i[None, :] > i[:, None] - window)).expand(b, n, n)
 
 
 def _teacher_rows(logits: torch.Tensor, rows: torch.Tensor, columns: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -200,9 +200,8 @@ class Trainer:
         with torch.no_grad():
             if "hidden" in batch:  # offline cache (layer ids checked at setup)
                 states = batch["features"] if eagle3 else batch["hidden"]
-                hidden = batch["hidden"].to(self.target.dtype)
-                return states, self.target.lm_head(hidden)
-            out = self.target(batch["input_ids"], attention_mask=batch["attention_mask"],
+                return states, self.target.logits(batch["hidden"].to(self.target.dtype))
+            out = self.target(batch["input_ids"], padding_mask=batch["attention_mask"],
                               layer_ids=self.head.config.fused_layer_ids)
             return (out.features if eagle3 else out.hidden), out.logits
 

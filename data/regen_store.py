@@ -1,0 +1,162 @@
+"""Where regeneration's results go: a resumable JSONL of conversations and, optionally, the hidden-state cache.
+
+Finished conversations are appended to a JSONL file ({"id", "messages"}), flushed and fsynced; a rerun
+skips ids already written and drops a half-written last line. With cache_hidden, the states go straight
+into an offline hidden-state cache (hidden_cache.py), which is then the source of truth: each shard holds
+its conversations' JSONL lines, and the JSONL gets them only once the shard is written.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from dataclasses import asdict
+from pathlib import Path
+from typing import Callable, Sequence
+
+import torch
+from tqdm.auto import tqdm
+
+from eyas.data.chat_template import TemplateError, render_with_mask
+from eyas.data.hidden_cache import CacheWriter, stored_shards
+from eyas.data.regenerate import Job, RegenConfig, RegenStats, regenerate
+from eyas.models.config import default_fused_layer_ids
+from eyas.models.signals import GracefulStop
+from eyas.models.target import Target
+
+logger = logging.getLogger(__name__)
+
+
+def written_ids(path: Path) -> set[int]:
+    """Ids already in the output; a half-written last line (killed mid-write) is cut off."""
+    if not path.is_file():
+        return set()
+    ids, good = set(), 0
+    with open(path, "rb") as f:
+        for line in f:
+            try:
+                if not line.endswith(b"\n"):
+                    raise ValueError("unterminated")
+                ids.add(int(json.loads(line)["id"]))
+            except (ValueError, KeyError, TypeError):
+                break
+            good += len(line)
+    if good < path.stat().st_size:
+        with open(path, "r+b") as f:
+            f.truncate(good)
+    return ids
+
+
+def training_example(job: Job, tokenizer, eos_ids: Sequence[int] | None) -> tuple[list[int], list[int], bool]:
+    """(input_ids, loss_mask, rendered) of a finished job: exactly the tokens its states were captured for.
+
+    The mask comes from rendering the regenerated conversation with the chat template (every
+    assistant turn, as `eyas data prepare` masks it) when that rendering starts with exactly these
+    ids; otherwise (rendered False: decoding and re-tokenizing changed a token) only the final
+    generated answer is masked.
+    """
+    ids = job.prompt + job.generated
+    try:
+        r = render_with_mask(tokenizer, job.out, eos_ids=eos_ids)
+        if r.input_ids[: len(ids)] == ids:
+            return ids, r.loss_mask[: len(ids)], True
+    except TemplateError:
+        pass
+    return ids, [0] * len(job.prompt) + [1] * len(job.generated), False
+
+
+def regenerate_jsonl(target: Target, conversations, out: str | Path, cfg: RegenConfig, batch_size: int = 8,
+                     layer_ids: Sequence[int] | None = None, on_done: Callable[[Job], None] = lambda job: None,
+                     eos_ids: Sequence[int] | None = None, progress: bool = True, cache_hidden: str | Path | None = None,
+                     cache_dtype: str = "bf16", shard_examples: int = 128) -> RegenStats:
+    """Regenerate a canonical conversations dataset (see sources.py) into `out` (JSONL), resumably.
+
+    Row ids are the dataset's row indices, so rerunning on the same source continues where a
+    killed run stopped. Rows flagged as bad by the source are not regenerated.
+
+    cache_hidden: also store the captured target states as an offline hidden-state cache in this
+    folder (the format HiddenStateDataset and `data.hidden_states: offline` read), so no second
+    target pass is needed. layer_ids then are the cached EAGLE-3 layers (None: the head's default
+    fused layers; () for EAGLE-1). The cache is the source of truth: every `shard_examples`
+    finished conversations are written as one shard (atomically, with their JSONL lines in its
+    header), listed in index.json, and only then appended to the JSONL. A resumed run first
+    appends the lines of stored shards the JSONL lacks; conversations finished after the last
+    shard are regenerated.
+
+    The first SIGINT/SIGTERM stops the run at the next step: in-flight conversations are dropped,
+    the finished ones written (a last, smaller shard), the cache marked readable, and the returned
+    stats say stopped_by; rerunning continues with the missing ids. A second signal aborts at once
+    (KeyboardInterrupt; what is on disk stays consistent). The previous handlers are restored.
+    """
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    done = written_ids(out)
+    writer = None
+    if cache_hidden is not None:
+        if layer_ids is None:
+            layer_ids = default_fused_layer_ids(target.num_layers)
+        writer = CacheWriter(cache_hidden, target, layer_ids, cache_dtype, {"data": "regenerate",
+                                                                            "generation": asdict(cfg)})
+        cached: set[int] = set()
+        with open(out, "a", encoding="utf-8") as f:
+            for ids, meta in stored_shards(writer.folder):
+                cached.update(ids)
+                lines = [line for line in json.loads(meta["lines"]) if json.loads(line)["id"] not in done]
+                f.writelines(line + "\n" for line in lines)  # killed after a shard, before its JSONL lines
+                done.update(json.loads(line)["id"] for line in lines)
+            f.flush()
+            os.fsync(f.fileno())
+        if done - cached:
+            raise ValueError(f"{out} holds {len(done - cached)} conversations that are not in the hidden-state cache "
+                             f"{writer.folder} (written without --cache-hidden?): use another output file, or "
+                             "regenerate without --cache-hidden and run `eyas data cache-hidden` afterwards")
+    todo = [(i, r["messages"]) for i, r in enumerate(conversations) if not r["problem"] and i not in done]
+    if done:
+        logger.info("%s: %d conversations already written, %d to go", out, len(done), len(todo))
+    buffer: list[tuple[str, Job, tuple[list[int], list[int], bool]]] = []
+    fallbacks = 0
+
+    with open(out, "a", encoding="utf-8") as f:
+        def append(lines: list[str]) -> None:
+            done.update(json.loads(line)["id"] for line in lines)
+            f.writelines(line + "\n" for line in lines)
+            f.flush()
+            os.fsync(f.fileno())  # a kill after this loses nothing already reported done
+
+        def flush_shard() -> None:
+            buffer.sort(key=lambda x: x[1].id)
+            lines = [line for line, _, _ in buffer]
+            writer.write([e[0] for _, _, e in buffer], [e[1] for _, _, e in buffer],
+                         [torch.cat([h.reshape(-1, h.shape[-1]) for h, _ in j.states]) for _, j, _ in buffer],
+                         [None if not layer_ids else torch.cat([x.reshape(-1, x.shape[-1]) for _, x in j.states])
+                          for _, j, _ in buffer],
+                         ids=[j.id for _, j, _ in buffer], metadata={"lines": json.dumps(lines, ensure_ascii=False)})
+            append(lines)
+            buffer.clear()
+
+        def write(job: Job) -> None:
+            nonlocal fallbacks
+            if job.out:
+                line = json.dumps({"id": job.id, "messages": job.out}, ensure_ascii=False)
+                if writer is None:
+                    append([line])
+                else:
+                    example = training_example(job, target.tokenizer, eos_ids)
+                    fallbacks += not example[2]
+                    # Keep only the stored dtype: a shard's worth of fp32 states would be 2x the memory.
+                    job.states = [(h.to(writer.dtype), None if x is None else x.to(writer.dtype))
+                                  for h, x in job.states]
+                    buffer.append((line, job, example))
+                    if len(buffer) >= shard_examples:
+                        flush_shard()
+            on_done(job)
+
+        with GracefulStop(tqdm.write, "writing the finished conversations, then stopping") as stop:
+            stats = regenerate(target, todo, cfg, batch_size, layer_ids, write, eos_ids, progress, stop=stop)
+            if writer is not None:
+                if buffer:
+                    flush_shard()
+                writer.finish()
+    stats.mask_fallbacks, stats.stored = fallbacks, len(done)
+    return stats

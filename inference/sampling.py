@@ -1,0 +1,123 @@
+"""The target's next-token distribution and its choice: one sampler for generation, verification and regeneration.
+
+`Sampling` holds what shapes the distribution: temperature, top-k, top-p (nucleus), min-p and the
+repetition penalty, applied in that order as transformers' `generate` does. Unset fields follow the
+target's own `generation_config` (`Sampling.for_target`), as `model.generate` does when called without
+arguments: a model that ships with do_sample=False decodes greedily, one that ships temperature 0.6 /
+top-p 0.95 samples with those.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from eyas.models.errors import InputError
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Sampling:
+    temperature: float = 0.0  # 0 = greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = off
+    min_p: float = 0.0  # 0 = off: drop tokens below min_p x the top token's probability
+    repetition_penalty: float = 1.0  # 1 = off: logits of tokens already in the sequence are divided (or, < 0, multiplied)
+
+    def __post_init__(self) -> None:
+        if self.temperature < 0:
+            raise InputError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise InputError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise InputError(f"top_k must be >= 0 (0 = off), got {self.top_k}")
+        if not 0 <= self.min_p < 1:
+            raise InputError(f"min_p must be in [0, 1), got {self.min_p}")
+        if self.repetition_penalty <= 0:
+            raise InputError(f"repetition_penalty must be > 0 (1 = off), got {self.repetition_penalty}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    @classmethod
+    def for_target(cls, generation_config, temperature: float | None = None, top_p: float | None = None,
+                   top_k: int | None = None, min_p: float | None = None,
+                   repetition_penalty: float | None = None) -> "Sampling":
+        """The settings `model.generate` would use: each argument given wins, the rest come from the model's
+        generation_config (do_sample False, or no config, means greedy)."""
+        gc = generation_config
+        sample = bool(getattr(gc, "do_sample", False))
+        default = cls()
+
+        def pick(value, name, fallback):
+            if value is not None:
+                return value
+            found = getattr(gc, name, None) if gc is not None else None
+            return fallback if found is None else found
+
+        if temperature is None:
+            temperature = pick(None, "temperature", 1.0) if sample else 0.0
+        s = cls(temperature=float(temperature),
+                top_p=float(pick(top_p, "top_p", default.top_p)) if temperature else default.top_p,
+                top_k=int(pick(top_k, "top_k", default.top_k)) if temperature else default.top_k,
+                min_p=float(pick(min_p, "min_p", default.min_p)) if temperature else default.min_p,
+                repetition_penalty=float(pick(repetition_penalty, "repetition_penalty", 1.0)))
+        ignored = [k for k in ("no_repeat_ngram_size", "typical_p", "epsilon_cutoff", "eta_cutoff",
+                               "encoder_repetition_penalty", "bad_words_ids", "sequence_bias")
+                   if gc is not None and getattr(gc, k, None) not in (None, 0, 1.0, [])]
+        if ignored:
+            logger.warning("the target's generation_config sets %s, which eyas does not apply", ", ".join(ignored))
+        return s
+
+    def replace(self, **changes) -> "Sampling":
+        return dataclasses.replace(self, **changes)
+
+
+def penalize(logits: torch.Tensor, seen: torch.Tensor, penalty: float) -> torch.Tensor:
+    """transformers' repetition penalty: logits [..., V] of the tokens marked in seen [..., V] (bool) are divided by
+    `penalty` where positive and multiplied where negative."""
+    if penalty == 1.0:
+        return logits
+    scaled = torch.where(logits > 0, logits / penalty, logits * penalty)
+    return torch.where(seen, scaled, logits)
+
+
+def distribution(logits: torch.Tensor, s: Sampling) -> torch.Tensor:
+    """logits [..., V] (already penalized) -> p [..., V]: temperature, then top-k, top-p and min-p, renormalised."""
+    x = logits.float() / s.temperature
+    if s.top_k > 0:
+        kth = x.topk(min(s.top_k, x.shape[-1]), dim=-1).values[..., -1:]
+        x = x.masked_fill(x < kth, float("-inf"))
+    if s.top_p < 1:
+        sorted_x, order = x.sort(dim=-1, descending=True)
+        probs = sorted_x.softmax(-1)
+        # drop a token when the tokens ranked above it already cover top_p (the top one always stays)
+        drop = probs.cumsum(-1) - probs >= s.top_p
+        x = x.masked_fill(drop.scatter(-1, order, drop), float("-inf"))
+    p = x.softmax(-1)
+    if s.min_p > 0:
+        p = p.masked_fill(p < s.min_p * p.amax(-1, keepdim=True), 0.0)
+        p = p / p.sum(-1, keepdim=True)
+    return p
+
+
+def choose(logits: torch.Tensor, s: Sampling,
+           generator: torch.Generator | list[torch.Generator | None] | None = None) -> torch.Tensor:
+    """The target's choice at each position: argmax (greedy) or a draw from p. logits [..., V] -> [...].
+
+    generator: one for all rows, or one per row of a [B, V] input (each row reproducible on its own);
+    generators must live on the logits' device."""
+    if s.greedy:
+        return logits.argmax(-1)
+    p = distribution(logits, s)
+    flat = p.reshape(-1, p.shape[-1])
+    if isinstance(generator, list):
+        picks = torch.cat([torch.multinomial(row[None], 1, generator=g)[0] for row, g in zip(flat, generator)])
+    else:
+        picks = torch.multinomial(flat, 1, generator=generator)[:, 0]
+    return picks.view(p.shape[:-1])

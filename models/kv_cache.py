@@ -1,0 +1,205 @@
+"""The one key/value cache: preallocated, written in place, rows of different lengths side by side.
+
+Used for the target in speculative generation and in regeneration, and for the draft head while drafting.
+Every layer keeps its keys and values in buffers [B, kv_heads, capacity, head_dim]. Row b's committed
+tokens fill columns [0, lengths[b]) in order, so a column is that row's position: the model's own
+sliding-window and chunked attention masks hold exactly, nothing is padded in front, nothing is evicted.
+
+A forward is bracketed by `with cache.writing(position_ids):`. Its n new tokens go after whatever is
+pending, at columns lengths[b] + pending + j (one offset per row; one slice when all rows are as long),
+and every column records its token's position (tree nodes at the same depth share one). Then either
+- commit(counts, index): row b keeps counts[b] of its pending entries, those at index[b, :counts[b]]
+  (a verified tree's accepted path; None keeps the first ones in place), or
+- rollback(): every pending entry is dropped (a draft tree that has been verified).
+Only the accepted tail moves; the context is never copied. keep_rows drops finished rows by moving the
+last rows into their holes. It is a transformers `Cache`, so any model's attention writes through
+`update` as with its own caches, and its fixed capacity makes the buffers' shapes stable across steps.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Iterator, Sequence
+
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+
+class _Layer(CacheLayerMixin):
+    """One layer's buffers; where to write comes from the cache (`KVCache.writing`)."""
+
+    is_sliding = False  # never evicts: windows are applied by the masks, from the recorded positions
+
+    def __init__(self, cache: "KVCache") -> None:
+        super().__init__()
+        self.cache = cache
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        shape = (len(self.cache.host_lengths), key_states.shape[1], self.cache.capacity, key_states.shape[3])
+        # zeros, not empty(): columns no row may see still enter the attention with weight 0, and 0 * NaN is NaN
+        self.keys = key_states.new_zeros(shape)
+        self.values = value_states.new_zeros(*shape[:3], value_states.shape[3])
+        self.device, self.is_initialized = key_states.device, True
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        """key/value_states [B, kv_heads, n, D] -> the layer's keys/values [B, kv_heads, width, D]."""
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        c = self.cache
+        if c.capacity > self.keys.shape[2]:
+            self._grow(c.capacity)
+        n = key_states.shape[2]
+        if c.uniform is not None:
+            start = c.uniform + c.pending
+            self.keys[:, :, start: start + n] = key_states
+            self.values[:, :, start: start + n] = value_states
+        else:
+            rows, cols = c.write_index(n, self.device)
+            self.keys[rows, :, cols] = key_states.transpose(1, 2)  # advanced indices first: [B, n, heads, D]
+            self.values[rows, :, cols] = value_states.transpose(1, 2)
+        width = c.width + n
+        return self.keys[:, :, :width], self.values[:, :, :width]
+
+    def _grow(self, capacity: int) -> None:
+        for name in ("keys", "values"):
+            old = getattr(self, name)
+            new = old.new_zeros(*old.shape[:2], capacity, old.shape[3])
+            new[:, :, : old.shape[2]] = old
+            setattr(self, name, new)
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.cache.width + query_length, 0
+
+    def get_seq_length(self) -> int:
+        return self.cache.width
+
+    def get_max_length(self) -> int:
+        return self.cache.capacity
+
+
+class KVCache(Cache):
+    """Keys/values of `num_layers` layers for `batch` rows of at most `capacity` tokens each (grows if needed)."""
+
+    def __init__(self, num_layers: int, batch: int, capacity: int, device: torch.device | str = "cpu") -> None:
+        super().__init__(layers=[_Layer(self) for _ in range(num_layers)])
+        self.capacity = capacity
+        self.lengths = torch.zeros(batch, dtype=torch.long, device=device)  # [B] committed tokens per row
+        self.host_lengths = [0] * batch  # the same, on the host: decisions about shapes need no device sync
+        self.positions = torch.zeros(batch, capacity, dtype=torch.long, device=device)  # [B, capacity]
+        self.pending = 0  # entries written since the last commit / rollback, the same number in every row
+        self._index: tuple[int, torch.Tensor, torch.Tensor] | None = None  # (n, rows, cols) of the write in progress
+
+    # ---- geometry -----------------------------------------------------------------------------
+    @property
+    def batch(self) -> int:
+        return len(self.host_lengths)
+
+    @property
+    def uniform(self) -> int | None:
+        """The common length when every row is as long (writes are one slice), else None."""
+        first = self.host_lengths[0] if self.host_lengths else 0
+        return first if all(n == first for n in self.host_lengths) else None
+
+    @property
+    def width(self) -> int:
+        """Columns in use: the longest row plus the pending entries."""
+        return (max(self.host_lengths) if self.host_lengths else 0) + self.pending
+
+    def write_index(self, n: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """(rows [B, 1], cols [B, n]): where this forward's n new tokens go in each row."""
+        if self._index is None or self._index[0] != n or self._index[1].device != device:
+            cols = self.lengths.to(device)[:, None] + self.pending + torch.arange(n, device=device)
+            self._index = (n, torch.arange(self.batch, device=device)[:, None], cols)
+        return self._index[1], self._index[2]
+
+    def key_positions(self, width: int | None = None) -> torch.Tensor:
+        """[B, width] position of the token in each column (default: every column in use)."""
+        return self.positions[:, : self.width if width is None else width]
+
+    # ---- writing ------------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def writing(self, position_ids: torch.Tensor) -> Iterator[None]:
+        """Bracket one forward over position_ids [B, n]: its layers write n entries per row after the pending ones."""
+        n = position_ids.shape[1]
+        need = self.width + n
+        if need > self.capacity:
+            self._reserve(need)
+        if self.uniform is not None:
+            start = self.uniform + self.pending
+            self.positions[:, start: start + n] = position_ids
+        else:
+            rows, cols = self.write_index(n, self.positions.device)
+            self.positions[rows, cols] = position_ids.to(self.positions.device)
+        try:
+            yield
+        finally:
+            self.pending += n
+            self._index = None
+
+    def _reserve(self, need: int) -> None:
+        capacity = max(need, 2 * self.capacity)
+        grown = self.positions.new_zeros(self.batch, capacity)
+        grown[:, : self.capacity] = self.positions
+        self.positions, self.capacity = grown, capacity  # layers grow their buffers at their next update
+
+    def commit(self, counts: Sequence[int], index: torch.Tensor | None = None) -> None:
+        """Row b keeps counts[b] pending entries: index[b, :counts[b]] (ascending indices into the pending block,
+        [B, A]) moved to the front of the block, or with index None the first counts[b] as they are."""
+        if index is not None and index.shape[1] > 1:
+            dev = self.positions.device
+            rows = torch.arange(self.batch, device=dev)[:, None]
+            src = self.lengths[:, None] + index.to(dev)
+            dst = self.lengths[:, None] + torch.arange(index.shape[1], device=dev)
+            self.positions[rows, dst] = self.positions[rows, src]
+            for layer in self.layers:
+                if layer.is_initialized:
+                    d = layer.device
+                    r, s, t = rows.to(d), src.to(d), dst.to(d)
+                    layer.keys[r, :, t] = layer.keys[r, :, s]  # gathered (a copy) before written
+                    layer.values[r, :, t] = layer.values[r, :, s]
+        self.host_lengths = [n + int(k) for n, k in zip(self.host_lengths, counts)]
+        self.lengths = self.lengths + torch.as_tensor(list(counts), device=self.lengths.device)
+        self.pending = 0
+
+    def rollback(self) -> None:
+        """Forget every pending entry."""
+        self.pending = 0
+
+    def keep_rows(self, keep: Sequence[int]) -> list[int]:
+        """Only rows `keep` (ascending) go on; returns the old row now in each row. The kept rows beyond
+        len(keep) move into the dropped rows below them (their columns in use only), then the buffers are
+        narrowed to the first len(keep) rows (a view): the cache is never copied whole."""
+        n, width = len(keep), self.width
+        order, kept = list(range(n)), set(keep)
+        holes = [r for r in range(n) if r not in kept]
+        for hole, row in zip(holes, [r for r in keep if r >= n]):
+            order[hole] = row
+            self.positions[hole, :width] = self.positions[row, :width]
+            for layer in self.layers:
+                if layer.is_initialized:
+                    layer.keys[hole, :, :width] = layer.keys[row, :, :width]
+                    layer.values[hole, :, :width] = layer.values[row, :, :width]
+        for layer in self.layers:
+            if layer.is_initialized:
+                layer.keys, layer.values = layer.keys[:n], layer.values[:n]
+        self.positions = self.positions[:n]
+        self.lengths = self.lengths[torch.tensor(order, device=self.lengths.device)]
+        self.host_lengths = [self.host_lengths[r] for r in order]
+        return order
+
+    def load_row(self, row: int, keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor],
+                 positions: torch.Tensor) -> None:
+        """Replace row `row` with a sequence computed elsewhere: per layer keys/values [kv_heads, n, D], positions [n]."""
+        n = positions.shape[0]
+        if n > self.capacity:
+            self._reserve(n)
+        self.positions[row, :n] = positions
+        for layer, k, v in zip(self.layers, keys, values):
+            if not layer.is_initialized:
+                layer.lazy_initialization(k[None], v[None])
+            if self.capacity > layer.keys.shape[2]:
+                layer._grow(self.capacity)
+            layer.keys[row, :, :n] = k
+            layer.values[row, :, :n] = v
+        self.host_lengths[row] = n
+        self.lengths[row] = n

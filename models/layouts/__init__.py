@@ -1,0 +1,115 @@
+"""Head layouts: how a draft head is stored on disk, for eyas and for the runtimes that serve heads.
+
+Each layout is a small module of its own, registered here by name: `eyas` (the native format), `sglang`
+(SGLang / the EAGLE-3 reference), `speculators` (vLLM) and `eagle1` (the EAGLE-1 reference). A layout
+knows how to recognise its config.json (`detect`), read a head (`read`: config + weights in eyas naming)
+and write one (`write`). Every layout loads directly (`load_head`, `--head`) and any head converts to any
+layout that can hold it (`export_head`); a layout that cannot hold a head exactly refuses it, naming why.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+
+from ..config import HeadConfig
+from ..errors import InputError, MissingInput
+from ..head import DraftHead
+from .common import CONFIG_NAME, read_config, stored_dtype
+
+
+class Layout(Protocol):
+    name: str
+
+    def detect(self, raw: dict[str, Any]) -> bool:
+        """Is this config.json in this layout?"""
+        ...
+
+    def read(self, folder: Path, raw: dict[str, Any], target) -> tuple[HeadConfig, dict[str, torch.Tensor]]:
+        """(HeadConfig, state dict in eyas naming) of the head in `folder`; `target` (optional) fills defaults."""
+        ...
+
+    def write(self, head: DraftHead, folder: Path) -> None:
+        """Write `head` into the (empty, temporary) folder, or raise naming what this layout cannot hold."""
+        ...
+
+
+LAYOUTS: dict[str, Layout] = {}
+
+
+def register(layout: Layout) -> Layout:
+    LAYOUTS[layout.name] = layout
+    return layout
+
+
+from . import eyas, speculators, sglang, eagle1  # noqa: E402,F401,I001  (each registers itself; detection tries them in this order)
+
+FORMATS = tuple(LAYOUTS)
+
+
+def detect_layout(raw: dict[str, Any]) -> str:
+    """The name of the layout of a head's config.json."""
+    for name, layout in LAYOUTS.items():
+        if layout.detect(raw):
+            return name
+    archs = raw.get("architectures") or []
+    raise InputError(
+        f"unknown head layout (architectures={archs}): expected an eyas head (eyas_format), a speculators head "
+        "(speculators_model_type), an SGLang / EAGLE-3 reference head (LlamaForCausalLMEagle3, or draft_vocab_size with "
+        "midlayer weights) or an EAGLE-1 reference head (LlamaForCausalLM)"
+    )
+
+
+def load_head(folder: str | Path, target=None, dtype: str | torch.dtype | None = None,
+              device: str | torch.device | None = None) -> DraftHead:
+    """Load a head in any registered layout; with `target`, check that it fits and bind it."""
+    from ..target import resolve_dtype
+
+    folder = Path(folder)
+    raw = read_config(folder)
+    config, state = LAYOUTS[detect_layout(raw)].read(folder, raw, target)
+    head = DraftHead(config)
+    missing, unexpected = head.load_state_dict(state, strict=False)
+    if missing or unexpected:
+        raise InputError(f"{folder}: weights do not fit the config (missing {missing}, unexpected {unexpected})")
+    if dtype is not None:
+        head.to(resolve_dtype(dtype))
+    if device is not None:
+        head.to(device)
+    if target is not None:
+        head.bind(target)
+    return head
+
+
+def save_head(head: DraftHead, folder: str | Path, extra: dict[str, Any] | None = None) -> Path:
+    """Write `head` atomically in eyas's own layout; `extra` adds informational keys to config.json."""
+    return LAYOUTS["eyas"].save(head, folder, extra)
+
+
+def export_head(source: str | Path, out: str | Path, format: str = "eyas", target=None) -> Path:
+    """Write the head in `source` (a head folder in any layout, or a training checkpoint holding `head/`) as `format`.
+
+    Written atomically; weights keep the source's floating-point dtype. `target` (an eyas Target) is checked
+    against the head, and needed only for foreign EAGLE-3 heads that do not record their fused layers.
+    """
+    from ..atomic import atomic_folder
+
+    if format not in LAYOUTS:
+        raise InputError(f"unknown export format {format!r}; choose one of {', '.join(LAYOUTS)}")
+    folder = head_folder(Path(source))
+    head = load_head(folder, target)
+    head.to(stored_dtype(folder))
+    with atomic_folder(out) as tmp:
+        LAYOUTS[format].write(head, tmp)
+    return Path(out)
+
+
+def head_folder(source: Path) -> Path:
+    """A head folder, or the head/ folder of a training checkpoint."""
+    if (source / CONFIG_NAME).is_file():
+        return source
+    if (source / "head" / CONFIG_NAME).is_file():  # a training checkpoint: the trainer writes the head there
+        return source / "head"
+    raise MissingInput(f"{source} is neither a head folder ({CONFIG_NAME}) nor a training checkpoint (head/{CONFIG_NAME})")

@@ -1,0 +1,67 @@
+"""The offline hidden-state cache reads back exactly what the target computes, and resumes."""
+
+from __future__ import annotations
+
+import datasets
+import pytest
+import torch
+from tests.helpers.tiny import tiny_target
+
+from eyas.data.hidden_cache import HiddenStateDataset, cache_hidden
+
+LAYERS = (1, 2, 4)  # 4 = the final normed state of the 4-layer tiny target
+
+
+def examples(n=7):
+    g = torch.Generator().manual_seed(0)
+    rows = [torch.randint(4, 300, (int(torch.randint(3, 20, (1,), generator=g)),), generator=g).tolist()
+            for _ in range(n)]
+    return datasets.Dataset.from_dict({"input_ids": rows, "loss_mask": [[i % 2 for i in range(len(r))] for r in rows]})
+
+
+@pytest.mark.parametrize("layer_ids", [LAYERS, ()])
+def test_reads_back_what_the_target_computes(tmp_path, layer_ids):
+    target, ds = tiny_target(), examples()
+    cache_hidden(target, ds, tmp_path / "c", layer_ids, dtype="fp32", batch_size=3, shard_examples=3)
+    cached = HiddenStateDataset(tmp_path / "c", target)
+    assert len(cached) == len(ds) and len(cached.index["shards"]) == 3
+    for i, row in enumerate(ds):
+        out = target(torch.tensor([row["input_ids"]]), layer_ids=layer_ids, logits=False)
+        item = cached[i]
+        assert item["input_ids"].tolist() == row["input_ids"] and item["loss_mask"].tolist() == row["loss_mask"]
+        torch.testing.assert_close(item["hidden"], out.hidden[0], rtol=1e-5, atol=1e-5)
+        if layer_ids:
+            torch.testing.assert_close(item["features"], out.features[0], rtol=1e-5, atol=1e-5)
+        else:
+            assert "features" not in item
+
+
+def test_bf16_storage_and_resume(tmp_path, monkeypatch):
+    target, ds = tiny_target(), examples()
+    cache_hidden(target, ds, tmp_path / "full", LAYERS, batch_size=2, shard_examples=2)
+
+    calls = []
+    real_save = __import__("eyas.data.hidden_cache", fromlist=["save"]).save
+
+    def dying_save(tensors, metadata=None):
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyboardInterrupt  # killed while writing the third shard
+        return real_save(tensors, metadata)
+
+    monkeypatch.setattr("eyas.data.hidden_cache.save", dying_save)
+    with pytest.raises(KeyboardInterrupt):
+        cache_hidden(target, ds, tmp_path / "resumed", LAYERS, batch_size=2, shard_examples=2)
+    with pytest.raises(ValueError, match="incomplete"):
+        HiddenStateDataset(tmp_path / "resumed")
+    resumed_saves = []
+    monkeypatch.setattr("eyas.data.hidden_cache.save", lambda t, m=None: resumed_saves.append(1) or real_save(t, m))
+    cache_hidden(target, ds, tmp_path / "resumed", LAYERS, batch_size=2, shard_examples=2)
+    assert len(resumed_saves) == 2  # 4 shards: 2 were done before the kill, only the rest are computed
+    full, resumed = HiddenStateDataset(tmp_path / "full"), HiddenStateDataset(tmp_path / "resumed")
+    for i in range(len(ds)):
+        assert full[i]["hidden"].dtype == torch.bfloat16
+        for k in ("input_ids", "loss_mask", "hidden", "features"):
+            assert torch.equal(full[i][k], resumed[i][k])
+    with pytest.raises(ValueError, match="different layer_ids"):
+        cache_hidden(target, ds, tmp_path / "full", (1,))

@@ -1,0 +1,263 @@
+"""Continuous-batching regeneration: equal to one-at-a-time greedy, states equal a bare forward, resumable;
+the hidden-state cache it writes equals `cache_hidden` over its output, also across a kill."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+
+import datasets
+import pytest
+import torch
+from tests.helpers.tiny import tiny_target
+
+from eyas.data.chat_template import render_with_mask
+from eyas.data.hidden_cache import HiddenStateDataset, cache_hidden, stored_shards
+from eyas.data.regen_store import regenerate_jsonl
+from eyas.data.regenerate import RegenConfig, Scheduler, regenerate
+
+EOS = list(range(20, 60))  # many "end" ids so answers stop at different lengths and slots refill
+
+
+def conversations(n=7):
+    g = torch.Generator().manual_seed(1)
+    convs = []
+    for i in range(n):
+        words = lambda k: " ".join(f"w{int(x)}" for x in torch.randint(60, 250, (k,), generator=g))  # noqa: E731
+        conv = [{"role": "user", "content": words(2 + i % 5)}, {"role": "assistant", "content": "w1"}]
+        if i % 3 == 0:  # multi-turn, with a system prompt
+            conv = [{"role": "system", "content": words(3)}] + conv + [
+                {"role": "user", "content": words(2)}, {"role": "assistant", "content": "w2"}]
+        convs.append(conv)
+    return convs
+
+
+def run(target, batch_size, layer_ids=None, prefill_tokens=4096, **cfg):
+    done = {}
+    stats = regenerate(target, enumerate(conversations()), RegenConfig(max_new_tokens=12, **cfg),
+                       batch_size=batch_size, layer_ids=layer_ids, eos_ids=EOS, progress=False,
+                       prefill_tokens=prefill_tokens, on_done=lambda job: done.__setitem__(job.id, job))
+    return done, stats
+
+
+def at_nth_done(n, action):
+    """(on_done callback, ids it has seen): it records finished ids and calls action() at the n-th."""
+    seen = []
+
+    def on_done(job):
+        seen.append(job.id)
+        if len(seen) == n:
+            action()
+
+    return on_done, seen
+
+
+def kill():  # as if the process died: nothing after this point runs
+    raise KeyboardInterrupt
+
+
+def ctrl_c():
+    os.kill(os.getpid(), signal.SIGINT)
+
+
+@pytest.mark.parametrize("span_cost", [None, 0])  # 0: every row of the cache attends over its own columns
+def test_batched_greedy_equals_one_at_a_time(span_cost, monkeypatch):
+    if span_cost is not None:
+        monkeypatch.setattr("eyas.models.cpu_kernels.SPAN_CALL_COST", span_cost)
+    target = tiny_target()
+    single, _ = run(target, 1)
+    batched, stats = run(target, 3)
+    assert sorted(batched) == list(range(7))
+    lengths = {len(j.generated) for j in batched.values()}
+    assert len(lengths) > 1  # answers of different lengths: slots were refilled mid-batch
+    for i, job in single.items():
+        assert batched[i].out == job.out and batched[i].generated == job.generated
+    for job in batched.values():  # every turn kept its role; a conversation only ends early after a cut answer
+        roles = [m["role"] for m in job.messages]
+        assert [m["role"] for m in job.out] == roles[: len(job.out)] and job.out[-1]["role"] == "assistant"
+        assert len(job.out) == len(roles) or len(job.generated) == 12
+    assert stats.conversations == 7 and stats.useful_tokens >= sum(len(j.generated) for j in batched.values())
+
+
+def test_grouped_prefill_equals_one_prompt_at_a_time(monkeypatch):
+    target = tiny_target()
+    groups = []  # (rows, prompt lengths) of every prefill
+    real = Scheduler._prefill
+    monkeypatch.setattr(Scheduler, "_prefill", lambda self, rows, prompts: groups.append(
+        (rows, [len(p) for p in prompts])) or real(self, rows, prompts))
+    alone, _ = run(target, 4, prefill_tokens=1)
+    assert {len(rows) for rows, _ in groups} == {1}
+    groups.clear()
+    grouped, _ = run(target, 4)
+    rows, lengths = groups[0]
+    assert len(rows) == 4 and len(set(lengths)) > 1  # the four first prompts (of different lengths) went in together
+    assert rows == sorted(rows) and lengths == sorted(lengths, reverse=True)  # longest in the lowest row
+    for i, job in alone.items():
+        assert grouped[i].out == job.out and grouped[i].generated == job.generated
+
+
+def test_captured_states_equal_a_bare_forward():
+    target = tiny_target()
+    layers = (1, 2, 4)
+    done, stats = run(target, 3, layer_ids=layers)
+    for job in done.values():
+        hidden = torch.cat([h.reshape(-1, h.shape[-1]) for h, _ in job.states])
+        feats = torch.cat([f.reshape(-1, f.shape[-1]) for _, f in job.states])
+        ids = torch.tensor([job.prompt + job.generated])
+        ref = target(ids, layer_ids=layers, logits=False)
+        torch.testing.assert_close(hidden, ref.hidden[0], rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(feats, ref.features[0], rtol=1e-4, atol=1e-4)
+
+
+def test_killed_and_resumed_equals_uninterrupted(tmp_path):
+    target = tiny_target()
+    ds = datasets.Dataset.from_dict({"messages": conversations(), "problem": [""] * 5 + ["empty", ""]})
+    cfg = RegenConfig(max_new_tokens=10, temperature=0.8, seed=3)
+    regenerate_jsonl(target, ds, tmp_path / "full.jsonl", cfg, batch_size=3, eos_ids=EOS, progress=False)
+
+    kill_after_three, seen = at_nth_done(3, kill)
+    with pytest.raises(KeyboardInterrupt):
+        regenerate_jsonl(target, ds, tmp_path / "resumed.jsonl", cfg, batch_size=3, eos_ids=EOS, progress=False,
+                         on_done=kill_after_three)
+    with open(tmp_path / "resumed.jsonl", "a") as f:
+        f.write('{"id": 99, "mess')  # and a half-written line
+    repeated = []
+    regenerate_jsonl(target, ds, tmp_path / "resumed.jsonl", cfg, batch_size=3, eos_ids=EOS, progress=False,
+                     on_done=lambda job: repeated.append(job.id))
+    assert not set(repeated) & set(seen) and len(repeated) == 6 - 3
+    full = sorted((tmp_path / "full.jsonl").read_text().splitlines())
+    resumed = sorted((tmp_path / "resumed.jsonl").read_text().splitlines())
+    assert resumed == full and len(full) == 6  # the bad row (id 5) is never regenerated
+
+
+def cache_rows(folder, target):
+    """{dataset id: cached item} of a hidden-state cache written during regeneration."""
+    ids = [i for shard_ids, _ in stored_shards(folder) for i in shard_ids]
+    cached = HiddenStateDataset(folder, target)
+    assert len(ids) == len(set(ids)) == len(cached)  # nothing stored twice
+    return {i: cached[k] for k, i in enumerate(ids)}
+
+
+def test_cache_written_while_regenerating_equals_cache_hidden_over_the_output(tmp_path):
+    target = tiny_target()
+    layers = (1, 2, 4)
+    ds = datasets.Dataset.from_dict({"messages": conversations(), "problem": [""] * 7})
+    stats = regenerate_jsonl(target, ds, tmp_path / "out.jsonl", RegenConfig(max_new_tokens=12), batch_size=3,
+                             layer_ids=layers, eos_ids=EOS, progress=False, cache_hidden=tmp_path / "c",
+                             cache_dtype="fp32", shard_examples=3)
+    assert stats.mask_fallbacks == 0  # the rendering-based mask was used for every example
+    lines = sorted((json.loads(x) for x in (tmp_path / "out.jsonl").read_text().splitlines()), key=lambda r: r["id"])
+    rendered = [render_with_mask(target.tokenizer, r["messages"], eos_ids=EOS) for r in lines]
+    ref = datasets.Dataset.from_dict({"input_ids": [r.input_ids for r in rendered],
+                                      "loss_mask": [r.loss_mask for r in rendered]})
+    cache_hidden(target, ref, tmp_path / "ref", layers, dtype="fp32")
+    ref_cache = HiddenStateDataset(tmp_path / "ref")
+    ours = cache_rows(tmp_path / "c", target)
+    assert sorted(ours) == [r["id"] for r in lines]
+    assert any(len(r["messages"]) > 2 for r in lines)  # multi-turn: earlier regenerated answers are masked too
+    for k, r in enumerate(lines):
+        item, want = ours[r["id"]], ref_cache[k]
+        n = len(item["input_ids"])
+        # The rendering may add template glue after the final end-of-turn token (never generated).
+        assert n <= len(want["input_ids"]) <= n + 2
+        assert torch.equal(item["input_ids"], want["input_ids"][:n]) and torch.equal(item["loss_mask"], want["loss_mask"][:n])
+        assert item["loss_mask"].sum() > 0
+        torch.testing.assert_close(item["hidden"], want["hidden"][:n], rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(item["features"], want["features"][:n], rtol=1e-4, atol=1e-4)
+
+
+def _uninterrupted(tmp_path, shard_examples: int):
+    """Tiny target, 7 conversations (one marked bad), sampled generation: the reference run into full.jsonl / full/."""
+    target = tiny_target()
+    ds = datasets.Dataset.from_dict({"messages": conversations(), "problem": [""] * 5 + ["empty", ""]})
+    cfg = RegenConfig(max_new_tokens=10, temperature=0.8, seed=3)
+    kw = dict(batch_size=3, eos_ids=EOS, progress=False, shard_examples=shard_examples)
+    regenerate_jsonl(target, ds, tmp_path / "full.jsonl", cfg, cache_hidden=tmp_path / "full", **kw)
+    return target, ds, cfg, kw
+
+
+def test_killed_and_resumed_with_cache_equals_uninterrupted(tmp_path):
+    target, ds, cfg, kw = _uninterrupted(tmp_path, shard_examples=2)
+
+    with pytest.raises(KeyboardInterrupt):
+        regenerate_jsonl(target, ds, tmp_path / "resumed.jsonl", cfg, cache_hidden=tmp_path / "resumed",
+                         on_done=at_nth_done(5, kill)[0], **kw)
+    in_shards = [i for ids, _ in stored_shards(tmp_path / "resumed") for i in ids]
+    assert len(in_shards) == 4  # two shards of two; the fifth conversation was only buffered
+    lines = (tmp_path / "resumed.jsonl").read_text().splitlines()
+    assert len(lines) == 4
+    # As if killed after writing the second shard but before its JSONL lines, mid-line:
+    (tmp_path / "resumed.jsonl").write_text("\n".join(lines[:2]) + '\n{"id": 9')
+    repeated = []
+    regenerate_jsonl(target, ds, tmp_path / "resumed.jsonl", cfg, cache_hidden=tmp_path / "resumed",
+                     on_done=lambda job: repeated.append(job.id), **kw)
+    assert sorted(repeated) == sorted(set(range(7)) - {5} - set(in_shards))  # only what no shard held
+    full = sorted((tmp_path / "full.jsonl").read_text().splitlines())
+    assert sorted((tmp_path / "resumed.jsonl").read_text().splitlines()) == full and len(full) == 6
+    want, got = cache_rows(tmp_path / "full", target), cache_rows(tmp_path / "resumed", target)
+    assert sorted(got) == sorted(want) == [0, 1, 2, 3, 4, 6]
+    for i in want:
+        assert torch.equal(got[i]["input_ids"], want[i]["input_ids"]) and torch.equal(got[i]["loss_mask"], want[i]["loss_mask"])
+        assert got[i]["hidden"].dtype == torch.bfloat16
+        for k in ("hidden", "features"):  # bf16 storage of fp32 states from different batch compositions
+            torch.testing.assert_close(got[i][k].float(), want[i][k].float(), rtol=2e-2, atol=2e-2)
+    with pytest.raises(ValueError, match="not in the hidden-state cache"):
+        regenerate_jsonl(target, ds, tmp_path / "full.jsonl", cfg, cache_hidden=tmp_path / "other", **kw)
+
+
+def test_ctrl_c_stores_the_finished_and_a_rerun_with_a_larger_limit_extends(tmp_path):
+    target, ds, cfg, kw = _uninterrupted(tmp_path, shard_examples=3)
+
+    first5 = ds.select(range(5))  # `--limit 5`
+    handlers = [signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)]
+    on_done, seen = at_nth_done(1, ctrl_c)
+    stats = regenerate_jsonl(target, first5, tmp_path / "out.jsonl", cfg, cache_hidden=tmp_path / "c", on_done=on_done,
+                             **kw)
+    assert [signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)] == handlers  # restored
+    assert stats.stopped_by == signal.SIGINT and stats.conversations == len(seen) < 5
+    stored = [json.loads(x)["id"] for x in (tmp_path / "out.jsonl").read_text().splitlines()]
+    assert sorted(stored) == sorted(seen) and stats.stored == len(seen)  # every finished one, nothing in flight
+    assert sorted(cache_rows(tmp_path / "c", target)) == sorted(seen)  # readable: the index says complete
+
+    repeated = []
+    stats = regenerate_jsonl(target, first5, tmp_path / "out.jsonl", cfg, cache_hidden=tmp_path / "c",
+                             on_done=repeated.append, **kw)  # the same command continues
+    assert stats.stopped_by is None and stats.stored == 5
+    assert sorted(j.id for j in repeated) == sorted(set(range(5)) - set(seen))
+    regenerate_jsonl(target, ds, tmp_path / "out.jsonl", cfg, cache_hidden=tmp_path / "c", **kw)  # a larger limit
+    full = sorted((tmp_path / "full.jsonl").read_text().splitlines())
+    assert sorted((tmp_path / "out.jsonl").read_text().splitlines()) == full
+    want, got = cache_rows(tmp_path / "full", target), cache_rows(tmp_path / "c", target)
+    assert sorted(got) == sorted(want) == [0, 1, 2, 3, 4, 6]
+    for i in want:
+        assert torch.equal(got[i]["input_ids"], want[i]["input_ids"]) and torch.equal(got[i]["loss_mask"], want[i]["loss_mask"])
+        for k in ("hidden", "features"):  # bf16 storage of fp32 states from different batch compositions
+            torch.testing.assert_close(got[i][k].float(), want[i][k].float(), rtol=2e-2, atol=2e-2)
+
+
+def test_a_second_ctrl_c_aborts_at_once(tmp_path):
+    target = tiny_target()
+    ds = datasets.Dataset.from_dict({"messages": conversations(), "problem": [""] * 7})
+    handlers = [signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)]
+    on_done, seen = at_nth_done(2, lambda: (ctrl_c(), ctrl_c()))
+    with pytest.raises(KeyboardInterrupt):
+        regenerate_jsonl(target, ds, tmp_path / "out.jsonl", RegenConfig(max_new_tokens=10), batch_size=3,
+                         eos_ids=EOS, progress=False, on_done=on_done)
+    assert [signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)] == handlers
+    assert len((tmp_path / "out.jsonl").read_text().splitlines()) == 2  # nothing after the abort
+
+
+def test_too_long_prompts_are_counted_as_skipped():
+    target = tiny_target()
+    convs = conversations()
+    lengths = [len(target.tokenizer.apply_chat_template(c[: next(i for i, m in enumerate(c) if m["role"] == "assistant")],
+                                                        tokenize=True, add_generation_prompt=True)["input_ids"])
+               for c in convs]
+    limit = sorted(lengths)[3]  # the first prompts of the 3 longest-or-equal do not fit
+    too_long = sum(n >= limit for n in lengths)
+    done = {}
+    stats = regenerate(target, enumerate(convs), RegenConfig(max_new_tokens=4, max_length=limit), batch_size=3,
+                       eos_ids=EOS, progress=False, on_done=lambda job: done.__setitem__(job.id, job))
+    assert stats.skipped == {"first prompt reaches max_length": too_long} and 0 < too_long < 7
+    assert stats.conversations == 7 - too_long == sum(bool(j.out) for j in done.values())

@@ -1,0 +1,87 @@
+"""Helpers shared by the inference tests: reference decoding, random heads, test-only drafters and verifiers."""
+
+import random
+
+import torch
+from transformers import DynamicCache
+
+from eyas.inference.acceptance import verify
+from eyas.inference.drafter import Candidates, DraftContext
+from eyas.models import DraftHead, head_config_for
+
+PROMPTS = [list(range(10, 22)), [40, 41, 7], list(range(100, 131, 2))]
+NO_EOS = dict(eos_token_id=[])
+
+
+def greedy(target, prompt, n):
+    """The target's own greedy continuation, one plain forward per token."""
+    ids = torch.tensor([prompt])
+    cache = DynamicCache(config=target.model.config)
+    out, nxt = [], ids
+    for _ in range(n):
+        logits = target.model(nxt, cache=cache, use_cache=True).logits[0, -1]
+        out.append(int(logits.argmax()))
+        nxt = torch.tensor([[out[-1]]])
+    return out
+
+
+def make_head(target, head_type="eagle3", seed=0):
+    torch.manual_seed(seed)
+    head = DraftHead(head_config_for(target, head_type, draft_vocab_size=120 if head_type == "eagle3" else None), target)
+    if head_type == "eagle3":
+        head.set_vocab_map(torch.randperm(target.vocab_size)[:120])
+    return head
+
+
+class Oracle:
+    """Test-only drafter that proposes the target's own greedy continuation.
+
+    `corrupt`: probability that one token of the chain is wrong (so acceptance stops there);
+    `decoy`: put a wrong first child before the right one, so acceptance must take a second child.
+    """
+
+    def __init__(self, refs, depth, corrupt=0.0, decoy=False, seed=0):
+        self.refs, self.depth, self.corrupt, self.decoy = refs, depth, corrupt, decoy
+        self.rng = random.Random(seed)
+
+    def reset(self, batch, capacity):
+        pass
+
+    def keep_rows(self, order):
+        self.refs = [self.refs[i] for i in order]
+
+    def draft(self, ctx: DraftContext, depth=None, keep_going=None) -> Candidates:
+        rows = []
+        for b, n in enumerate(ctx.counts):
+            p = int(ctx.positions[b, n - 1]) + 1  # the root's position
+            ref = self.refs[b]
+            assert int(ctx.tokens[b, n - 1]) == ref[p], "the root must be the last accepted token"
+            chain = (ref[p + 1:] + [5] * self.depth)[:self.depth]  # past the reference's end: anything
+            if self.rng.random() < self.corrupt:
+                j = self.rng.randrange(self.depth)
+                chain[j] = (chain[j] + 1) % 300
+            tokens, parents = [], []
+            if self.decoy:
+                tokens.append((chain[0] + 7) % 300)
+                parents.append(-1)
+            for j, t in enumerate(chain):
+                tokens.append(t)
+                parents.append(-1 if j == 0 else len(tokens) - 2)
+            rows.append((tokens, parents))
+        tokens = torch.tensor([r[0] for r in rows])
+        parents = torch.tensor([r[1] for r in rows])
+        depth = torch.ones_like(parents)
+        for i in range(parents.shape[1]):
+            if (parents[:, i] >= 0).any():
+                depth[:, i] = depth.gather(1, parents[:, i:i + 1].clamp(min=0))[:, 0] + 1
+        root = torch.tensor([int(ctx.tokens[b, n - 1]) for b, n in enumerate(ctx.counts)])
+        return Candidates(root, tokens, parents, torch.zeros(tokens.shape, dtype=torch.float), depth)
+
+
+def always_accept_first_child(logits, tree, s, generator=None):
+    """A deliberately biased verifier: the target "chooses" each node's first child whenever it has one."""
+    b, n = tree.tokens.shape
+    first = torch.full((b, n), n, dtype=torch.long)
+    first.scatter_reduce_(1, tree.parents[:, 1:], torch.arange(1, n).expand(b, -1), "amin")
+    has = first < n
+    return torch.where(has, tree.tokens.gather(1, first.clamp(max=n - 1)), verify(logits, tree, s, generator))

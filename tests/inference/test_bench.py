@@ -1,0 +1,215 @@
+import json
+
+import pytest
+import torch
+
+from eyas.inference import bench
+from eyas.inference.sampling import Sampling
+from eyas.inference.bench import Question, load_questions, run_bench
+from eyas.inference.bench_report import accept_rate_per_position, summarize
+from eyas.models import DraftHead, save_head
+from eyas.models.head_config import head_config_for
+from tests.helpers.tiny import tiny_target
+from tests.helpers.train import write_target
+
+QUESTIONS = [
+    {"question_id": 1, "category": "writing", "turns": ["hello world w1 w2", "ignored second turn"]},
+    {"question_id": 2, "category": "writing", "turns": ["the w5 w6 w7 ."]},
+    {"question_id": "HumanEval/0", "category": "code", "prompt": "a w10 w11 w12 w13"},
+]
+QUESTIONS_AS_OBJECTS = [Question(1, "writing", "hello world w1 w2", chat=True),
+                        Question("HumanEval/0", "code", "a w10 w11 w12 w13", chat=False)]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    # Tiny models gain nothing from more threads, and on a shared CPU spinning threads cost ~10x.
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def pair():
+    """Tiny fp32 target and a random EAGLE-3 head: few drafts accepted, but every verify path runs."""
+    target = tiny_target("llama")
+    torch.manual_seed(0)
+    return target, DraftHead(head_config_for(target, "eagle3"), target)
+
+
+@pytest.fixture
+def saved_pair(tmp_path, pair):
+    target_dir = write_target(tmp_path / "target")
+    save_head(pair[1], tmp_path / "head")
+    return target_dir, tmp_path / "head"
+
+
+SMALL_TREE = dict(depth=3, top_k=2, total_tokens=6)
+
+
+def _write(path, rows):
+    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows))
+    return path
+
+
+def test_report_has_every_field_per_category_and_overall(tmp_path, pair):
+    report = run_bench(*pair, _write(tmp_path / "q.jsonl", QUESTIONS), max_new_tokens=12, prompt_lookup=3,
+                       eyas_plain=True, out=tmp_path / "report.json", progress=False, **SMALL_TREE)
+    saved = json.loads((tmp_path / "report.json").read_text())
+    assert saved == json.loads(json.dumps(report))
+    assert (tmp_path / "report.png").stat().st_size > 0
+    assert set(saved["per_category"]) == {"writing", "code"}
+    for s in [saved["overall"], *saved["per_category"].values()]:
+        assert s["tau"] >= 1.0
+        assert all(r is None or 0.0 <= r <= 1.0 for r in s["accept_rate_per_position"])
+        assert len(s["accept_rate_per_position"]) >= SMALL_TREE["depth"]
+        for key in ("baseline_tokens_per_s", "spec_tokens_per_s", "speedup", "prompt_lookup_tokens_per_s",
+                    "prompt_lookup_speedup", "eyas_plain_tokens_per_s", "eyas_plain_speedup",
+                    "speedup_over_eyas_plain"):
+            assert s[key] > 0, key
+        for key in ("draft_time_fraction", "engine_overhead_fraction"):
+            assert 0.0 <= s[key] <= 1.0, key
+        assert s["exact_match_fraction"] == 1.0
+    assert saved["overall"]["questions"] == 3 and saved["per_category"]["writing"]["questions"] == 2
+    st = saved["settings"]
+    assert st["dtype"] == "fp32" and st["threads"] >= 1 and st["max_new_tokens"] == 12
+    assert st["tree"]["depth"] == 3 and st["tree"]["total_tokens"] == 6
+    assert st["versions"]["torch"] and st["machine"]["cores"] >= 1
+    rows = saved["questions"]
+    assert [r["question_id"] for r in rows] == [1, 2, "HumanEval/0"]
+    assert all(r["exact"] and r["spec_tokens"] == r["baseline_tokens"] > 0 for r in rows)
+    assert all(r["eyas_plain_exact"] and r["eyas_plain_tokens"] == r["baseline_tokens"] for r in rows)
+
+
+def test_out_of_draft_vocab_counts_the_output_tokens_the_head_cannot_propose(tmp_path, pair):
+    target = pair[0]
+    head = DraftHead(head_config_for(target, "eagle3", draft_vocab_size=target.vocab_size // 2), target)
+    head.set_vocab_map(torch.randperm(target.vocab_size, generator=torch.Generator().manual_seed(0))[: target.vocab_size // 2])
+    report = run_bench(target, head, QUESTIONS_AS_OBJECTS, max_new_tokens=16, progress=False, **SMALL_TREE)
+    outside = total = 0
+    for q, row in zip(QUESTIONS_AS_OBJECTS, report["questions"]):
+        # the same greedy output, decoded without the head: which of its tokens the draft vocab lacks
+        tokens = bench.plain_decode(target, bench.prompt_ids(target, q), 16, target.eos_ids(), Sampling(), 0)
+        expected = sum(not bool(head.t2d[t]) for t in tokens)
+        assert row["out_of_draft_vocab_tokens"] == expected
+        outside, total = outside + expected, total + len(tokens)
+    assert 0 < outside < total  # the check above saw both kinds of token
+    assert report["overall"]["out_of_draft_vocab_fraction"] == pytest.approx(outside / total)
+
+
+def test_chat_rows_use_the_template_and_prompt_rows_do_not(pair):
+    target = pair[0]
+    chat = bench.prompt_ids(target, Question(1, "c", "hello world", chat=True))
+    raw = bench.prompt_ids(target, Question(2, "c", "hello world", chat=False))
+    tok = target.tokenizer
+    assert raw == tok("hello world")["input_ids"]
+    assert tok.convert_ids_to_tokens(chat[:2]) == ["<|im_start|>", "user"]
+    assert tok.convert_ids_to_tokens(chat[-2:]) == ["<|im_start|>", "assistant"]  # add_generation_prompt
+    assert chat[2:4] == raw
+
+
+@pytest.mark.parametrize("line,message", [
+    ("{not json", "q.jsonl:2: not valid JSON"),
+    ('{"question_id": 3, "category": "x"}', "q.jsonl:2: a question needs `turns`"),
+    ('{"question_id": 3, "category": "x", "turns": []}', "q.jsonl:2: `turns` must be"),
+    ('[1, 2]', "q.jsonl:2: expected a JSON object"),
+])
+def test_malformed_rows_name_the_line(tmp_path, line, message):
+    path = _write(tmp_path / "q.jsonl", [QUESTIONS[0], line])
+    with pytest.raises(ValueError, match=message):
+        load_questions(path)
+
+
+def test_missing_or_empty_file_is_a_clear_error(tmp_path):
+    with pytest.raises(FileNotFoundError, match="nope.jsonl"):
+        load_questions(tmp_path / "nope.jsonl")
+    with pytest.raises(ValueError, match="no questions"):
+        load_questions(_write(tmp_path / "q.jsonl", [""]))
+    assert len(load_questions(_write(tmp_path / "q.jsonl", QUESTIONS), limit=2)) == 2
+    one_each = load_questions(tmp_path / "q.jsonl", per_category=1)
+    assert [(q.question_id, q.category) for q in one_each] == [(1, "writing"), ("HumanEval/0", "code")]
+
+
+def test_accept_rate_per_position_is_conditional_on_reaching_the_position():
+    # drafts accepted per cycle: 0, 1, 2, 3, 1
+    assert accept_rate_per_position([1, 2, 3, 4, 2], 5) == [4 / 5, 2 / 4, 1 / 2, 0 / 1, None]
+    # plain cycles (depth 0) and positions a cycle did not draft do not count
+    assert accept_rate_per_position([1, 2, 1, 3, 2], 3, [0, 1, 0, 3, 3]) == [3 / 3, 1 / 2, 0 / 1]
+
+
+def test_cli_writes_report_and_prints_table(tmp_path, saved_pair, capsys):
+    from eyas.inference.cli import main
+
+    q = _write(tmp_path / "q.jsonl", QUESTIONS)
+    rc = main(["bench", "--target", str(saved_pair[0]), "--head", str(saved_pair[1]), "--questions", str(q),
+               "--out", str(tmp_path / "r.json"), "--max-new-tokens", "6", "--limit", "2", "--tree", "chain",
+               "--depth", "2"])
+    out = capsys.readouterr().out
+    assert rc == 0
+    report = json.loads((tmp_path / "r.json").read_text())
+    assert report["overall"]["questions"] == 2 and report["overall"]["exact_match_fraction"] == 1.0
+    assert report["settings"]["tree"]["kind"] == "chain"
+    assert "overall" in out and "writing" in out and str(tmp_path / "r.png") in out
+
+
+def test_cli_bad_questions_is_one_clear_line(tmp_path, capsys):
+    from eyas.inference.cli import main
+
+    q = _write(tmp_path / "q.jsonl", [QUESTIONS[0], '{"question_id": 9}'])
+    rc = main(["bench", "--target", "unused", "--head", "unused", "--questions", str(q), "--out", str(tmp_path / "r.json")])
+    assert rc == 2
+    assert "q.jsonl:2" in capsys.readouterr().err
+    assert not (tmp_path / "r.json").exists()
+
+
+def test_demo_without_questions_says_where_to_get_them(capsys):
+    from eyas.inference.cli import main
+
+    assert main(["demo"]) == 2
+    assert "mt_bench/question.jsonl" in capsys.readouterr().err
+
+
+def test_demo_distils_trains_exports_and_benches(tmp_path, capsys):
+    from eyas.inference.cli import main
+    from tests.helpers.train import TINY_CONFIG, write_conversations
+
+    target, data = write_target(tmp_path / "target"), write_conversations(tmp_path / "convs.jsonl")
+    rc = main(["demo", "--config", str(TINY_CONFIG), "--questions", str(_write(tmp_path / "q.jsonl", QUESTIONS)),
+               "--head-out", str(tmp_path / "head"), "--dtype", "fp32", "--limit", "2", "--max-new-tokens", "8",
+               "--distill-source", str(data), "--distill-conversations", "12", "--distill-max-new-tokens", "8",
+               f"target.spec={target}", f"output_dir={tmp_path / 'run'}", "head.draft_vocab_size=64",
+               "schedule.total_steps=2", "checkpoint.every=2"])
+    out = capsys.readouterr().out
+    assert rc == 0
+    regenerated = (tmp_path / "run" / "selfdistill.jsonl").read_text().splitlines()
+    assert 0 < len(regenerated) <= 12 and (tmp_path / "run" / "hidden" / "index.json").is_file()
+    assert "data.hidden_states=offline" in out  # the head trained on the states captured while regenerating
+    report = json.loads((tmp_path / "run" / "bench" / "report.json").read_text())
+    assert report["overall"]["questions"] == 2 and report["overall"]["exact_match_fraction"] == 1.0
+    assert "prompt_lookup_speedup" in report["overall"]
+    assert (tmp_path / "head" / "config.json").is_file() and (tmp_path / "run" / "bench" / "report.png").is_file()
+    assert f"head:   {tmp_path / 'head'}" in out and "$ eyas export" in out
+
+
+def _rows(*lengths_and_times):
+    return [{"category": "c", "accepted": [2, 1], "baseline_tokens": bt, "baseline_time_s": bs, "spec_tokens": st,
+             "spec_time_s": ss, "engine_time_s": ss, "draft_time_s": 0.1 * ss, "target_time_s": 0.8 * ss,
+             "exact": bt == st} for bt, bs, st, ss in lengths_and_times]
+
+
+def test_speedup_is_a_time_ratio_for_equal_outputs_else_a_tokens_per_s_ratio():
+    same = summarize(_rows((10, 2.0, 10, 1.0), (6, 1.0, 6, 1.0)), sampling=False)["overall"]
+    assert same["speedup_basis"] == "time" and same["speedup"] == pytest.approx(3.0 / 2.0)
+    assert same["engine_overhead_fraction"] == pytest.approx(0.1)
+    differ = summarize(_rows((10, 2.0, 20, 2.0)), sampling=True)["overall"]
+    assert differ["speedup_basis"] == "tokens_per_s" and differ["speedup"] == pytest.approx(2.0)
+    assert differ["exact_match_fraction"] is None
+
+
+def test_sampling_runs_both_sides_with_the_same_settings(tmp_path, pair):
+    report = run_bench(*pair, QUESTIONS_AS_OBJECTS[:2], max_new_tokens=6, temperature=0.8, top_p=0.9, top_k=20,
+                       progress=False, kind="chain", depth=2)
+    assert report["overall"]["exact_match_fraction"] is None
+    assert report["settings"]["temperature"] == 0.8 and report["settings"]["top_k"] == 20
+    assert all(0 < r["spec_tokens"] <= 6 and 0 < r["baseline_tokens"] <= 6 for r in report["questions"])

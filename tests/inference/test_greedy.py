@@ -1,0 +1,318 @@
+"""Greedy speculative decoding is token-identical to the target's own greedy decoding."""
+
+import numpy as np
+import pytest
+import torch
+
+from eyas.inference import SpeculativeGenerator, TreeOptions
+from eyas.inference.drafter import HeadDrafter
+from eyas.inference.tree import DraftTree
+from eyas.models.masks import causal
+from eyas.inference.costs import CostModel, fit_cost
+from eyas.inference.planner import Planner
+from tests.helpers.inference import NO_EOS, PROMPTS, Oracle, always_accept_first_child, greedy, make_head
+from tests.helpers.tiny import FIXTURES, tiny_target
+
+
+@pytest.mark.parametrize("head_type", ["eagle1", "eagle3"])
+@pytest.mark.parametrize("arch,tied", FIXTURES)
+def test_greedy_matches_target_generate(arch, tied, head_type):
+    target = tiny_target(arch, tied)
+    gen = SpeculativeGenerator(target, make_head(target, head_type))
+    for prompt in PROMPTS:
+        ref = target.model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=16, pad_token_id=1)
+        assert gen.generate(prompt, max_new_tokens=16).tokens == ref[0, len(prompt):].tolist()
+
+
+@pytest.mark.parametrize("options", [
+    TreeOptions(kind="chain", depth=1), TreeOptions(kind="chain", depth=6), TreeOptions(kind="static"),
+    TreeOptions(kind="static", paths=((0,), (1,), (1, 0), (1, 1), (1, 1, 2))),
+    TreeOptions(total_tokens=1), TreeOptions(total_tokens=7, top_k=2, depth=3),
+    TreeOptions(total_tokens=16), TreeOptions(total_tokens=64, top_k=8, depth=6),
+], ids=lambda o: f"{o.kind}-{o.total_tokens if o.kind == 'dynamic' else o.depth}")
+def test_greedy_identity_across_tree_shapes(options):
+    target = tiny_target("qwen3")
+    gen = SpeculativeGenerator(target, make_head(target), options)
+    results = gen.generate_batch(PROMPTS, max_new_tokens=20, **NO_EOS)
+    for prompt, res in zip(PROMPTS, results):
+        assert res.tokens == greedy(target, prompt, 20)
+
+
+@pytest.mark.parametrize("arch,tied", FIXTURES)
+def test_perfect_draft_accepts_every_token(arch, tied):
+    target = tiny_target(arch, tied)
+    depth = 4
+    refs = [p + greedy(target, p, 40) for p in PROMPTS]
+    gen = SpeculativeGenerator(target, make_head(target), TreeOptions(lookup=0),  # exactly the oracle's tree
+                               drafter=Oracle(refs, depth, decoy=arch == "llama"))
+    results = gen.generate_batch(PROMPTS, max_new_tokens=30, **NO_EOS)
+    for prompt, ref, res in zip(PROMPTS, refs, results):
+        assert res.tokens == ref[len(prompt):len(prompt) + 30]
+        assert res.stats.accepted and all(a == depth + 1 for a in res.stats.accepted), res.stats.accepted
+
+
+@pytest.mark.parametrize("arch,tied", FIXTURES)
+def test_batch_rows_accept_different_lengths_and_match_alone(arch, tied):
+    target = tiny_target(arch, tied)
+    refs = [p + greedy(target, p, 45) for p in PROMPTS]
+    gen = SpeculativeGenerator(target, make_head(target), drafter=Oracle(refs, 5, corrupt=0.7, decoy=True, seed=3))
+    results = gen.generate_batch(PROMPTS, max_new_tokens=32, **NO_EOS)
+    for prompt, ref, res in zip(PROMPTS, refs, results):
+        assert res.tokens == ref[len(prompt):len(prompt) + 32]
+    per_cycle = list(zip(*(r.stats.accepted for r in results)))
+    assert any(len(set(c)) > 1 for c in per_cycle), "rows should have accepted different lengths"
+
+
+def test_head_drafter_matches_the_head_run_step_by_step():
+    """Every node's cumulative draft score equals running the head along that node's path alone,
+    in every cycle: checks catch-up, the head-cache masks, positions and fed-back hidden states."""
+    target = tiny_target("llama")
+    head = make_head(target, "eagle3")
+    for options in [TreeOptions(total_tokens=12, top_k=3, depth=4), TreeOptions(kind="static")]:
+        inner = HeadDrafter(head, options.expansion())
+        seen = []
+
+        class Recorder:
+            def reset(self, batch, capacity):
+                inner.reset(batch, capacity)
+
+            def keep_rows(self, order):
+                inner.keep_rows(order)
+
+            def draft(self, ctx, depth=None, keep_going=None):
+                seen.append(ctx)
+                candidates = inner.draft(ctx, depth, keep_going)
+                _check_scores(head, seen, candidates.tree())
+                return candidates
+
+        # a verifier that accepts every first child makes each catch-up cover several tokens
+        gen = SpeculativeGenerator(target, head, drafter=Recorder(), verifier=always_accept_first_child)
+        gen.generate(PROMPTS[0], max_new_tokens=16, **NO_EOS)
+        assert len(seen) > 2 and max(c.counts[0] for c in seen[1:]) > 1
+
+
+def _check_scores(head, seen, tree):
+    """Row 0 of each context seen so far, run through the head at once, then each node's path alone."""
+    tokens = torch.cat([c.tokens[:, :c.counts[0]] for c in seen], 1)[:1]
+    feats = torch.cat([c.features[:, :c.counts[0]] for c in seen], 1)[:1]
+    pos = torch.cat([c.positions[:, :c.counts[0]] for c in seen], 1)[:1]
+    d2t = head.draft_to_target.tolist()
+    t2d = {t: d for d, t in enumerate(d2t)}
+    with torch.no_grad():
+        cache = head.new_cache(1, tokens.shape[1] + 16)
+        out = head(tokens, head.fuse(feats), pos, causal(tokens.shape[1])[None], cache)
+        cache.commit([tokens.shape[1]])
+        for i in range(1, tree.size):
+            node, path = i, []
+            while node > 0:
+                path.append(node)
+                node = int(tree.parents[0, node])
+            path.reverse()
+            cache.rollback()
+            logits, hidden, score = out.logits[:, -1:], out.hidden[:, -1:], 0.0
+            for step, n in enumerate(path):
+                tok = int(tree.tokens[0, n])
+                score += float(torch.log_softmax(logits[0, -1].float(), -1)[t2d[tok]])
+                if step + 1 < len(path):
+                    mask = torch.ones(1, 1, cache.width + 1, dtype=torch.bool)
+                    o = head(torch.tensor([[tok]]), hidden, pos[:, -1:] + step + 1, mask, cache)
+                    logits, hidden = o.logits, o.hidden
+            assert abs(score - float(tree.scores[0, i])) < 1e-4, (i, score, float(tree.scores[0, i]))
+
+
+def test_eos_and_stop_strings_end_generation():
+    target = tiny_target("llama")
+    gen = SpeculativeGenerator(target, make_head(target))
+    ref = greedy(target, PROMPTS[0], 30)
+    k = 9
+    eos = ref[k]
+    res = gen.generate(PROMPTS[0], max_new_tokens=30, eos_token_id=eos)
+    assert res.tokens == ref[:ref.index(eos) + 1]
+    word = target.tokenizer.decode([ref[k]])
+    res = gen.generate(PROMPTS[0], max_new_tokens=30, stop=[word], **NO_EOS)
+    first = next(j for j in range(30) if word in target.tokenizer.decode(ref[:j + 1]))
+    assert res.tokens == ref[:first + 1] and res.text.endswith(word)
+
+
+def test_stream_yields_the_generated_text_in_pieces():
+    target = tiny_target("llama")
+    gen = SpeculativeGenerator(target, make_head(target))
+    pieces = list(gen.stream(PROMPTS[1], max_new_tokens=12, **NO_EOS))
+    assert len(pieces) > 1
+    assert "".join(pieces) == gen.generate(PROMPTS[1], max_new_tokens=12, **NO_EOS).text
+
+
+def test_chat_messages_and_text_prompts():
+    target = tiny_target("llama")
+    gen = SpeculativeGenerator(target, make_head(target))
+    messages = [{"role": "user", "content": "hello world"}]
+    ids = target.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)["input_ids"]
+    assert gen.encode(messages) == ids
+    assert gen.generate(messages, max_new_tokens=8, **NO_EOS).tokens == greedy(target, ids, 8)
+    assert gen.encode("hello world") == target.tokenizer("hello world").input_ids
+    with pytest.raises(ValueError, match="empty"):
+        gen.generate([], max_new_tokens=4)
+
+
+def test_auto_total_tokens_tunes_once_and_stays_exact():
+    target = tiny_target("mistral")
+    gen = SpeculativeGenerator(target, make_head(target), TreeOptions(total_tokens="auto", top_k=4, depth=5))
+    res = gen.generate(PROMPTS[2], max_new_tokens=10, **NO_EOS)
+    planner = gen.planner
+    assert planner is not None and planner.rate > 0
+    assert all(0 <= n <= 4 + 4 * 4 * 4 + gen.options.lookup for n in res.stats.drafted)
+    assert res.tokens == greedy(target, PROMPTS[2], 10)
+    assert gen.generate(PROMPTS[0], max_new_tokens=4).tokens and gen.planner is planner  # tuned once
+
+
+def _planner(**kw) -> Planner:
+    """Verify a + b k with a = 1, b = 0.1; plain forward 1.0; a draft step 0.05 (seconds)."""
+    return Planner(CostModel(1.0, 0.1, 1.0, 0.05), **{"max_depth": 4, **kw})
+
+
+def log(conf) -> torch.Tensor:
+    """Path confidences -> the draft log-probabilities the planner is given."""
+    return torch.log(torch.as_tensor(conf, dtype=torch.float64))
+
+
+def test_planner_verifies_the_nodes_that_pay_for_their_verify_cost():
+    planner = _planner()
+    rate = planner.rate
+    sure, hopeless = np.full((1, 16), 0.999), np.full((1, 16), 1e-3)
+    assert planner.choose(log(hopeless)) == 0  # plain decoding: no node is worth the wider forward
+    assert planner.choose(log(sure)) == 16  # each sure node gains ~1 token for 0.1 s
+    # falling confidences: stop where one more node gains less than its verify seconds earn at rate λ
+    conf = np.array([[0.9, 0.6, 0.3, 0.05, 0.01]])
+    p = planner.accept_prob(conf)[0]
+    n = planner.choose(log(conf))
+    value = [0.0 - rate * 1.0] + [p[:k].sum() - rate * (1.0 + 0.1 * (k + 1)) for k in range(1, 6)]
+    assert n == int(np.argmax(value)) and 0 < n < 5
+    assert planner.choose(log(np.concatenate([conf, hopeless[:, :5]]))) <= n  # one count for the batch: rows average
+
+
+def test_planner_calibrates_confidence_from_what_the_target_accepted():
+    planner = _planner()
+    conf = np.full(20, 0.8)
+    assert planner.accept_prob(conf)[0] == pytest.approx(0.8, abs=0.1)  # prior: the raw confidence
+    for _ in range(30):  # an overconfident head: nothing at 0.8 is ever on the target's continuation
+        planner.observe(conf, np.zeros(20, bool), tokens=1.0, seconds=1.0)
+    assert planner.accept_prob(conf)[0] < 0.05
+    assert planner.choose(log(conf[None])) == 0
+    planner = _planner()
+    for _ in range(30):  # an underconfident head: everything at 0.3 is accepted
+        planner.observe(np.full(20, 0.3), np.ones(20, bool), tokens=1.0, seconds=1.0)
+    probs = planner.accept_prob(np.array([0.01, 0.3, 0.8]))
+    assert probs[1] > 0.9 and probs[2] >= probs[1]  # never less likely at a higher confidence
+    for _ in range(10):  # contradicting evidence at 0.8 does not make it less likely than 0.3
+        planner.observe(np.full(20, 0.8), np.zeros(20, bool), tokens=1.0, seconds=1.0)
+    probs = planner.accept_prob(np.array([0.01, 0.3, 0.8]))
+    assert list(probs) == sorted(probs)
+
+
+def test_planner_drafts_while_it_pays_and_probes_while_it_does_not():
+    planner = _planner()
+    assert planner.should_draft()  # optimistic start
+    for _ in range(40):  # the head is hopeless: every cycle's best choice is plain decoding
+        planner.choose(log(np.full((1, 8), 1e-3)))
+    gaps, since = [], 0
+    for _ in range(60):  # drafting only as a probe, ever further apart
+        since += 1
+        if planner.should_draft():
+            gaps.append(since)
+            since = 0
+            planner.choose(log(np.full((1, 8), 1e-3)))
+    assert len(gaps) >= 3 and gaps == sorted(gaps) and gaps[-1] > gaps[0]
+    for _ in range(5):  # a probe finds a confident head: drafting every cycle again
+        planner.choose(log(np.full((1, 8), 0.999)))
+    assert all(planner.should_draft() for _ in range(5))
+
+
+def test_planner_stops_drafting_at_a_level_that_cannot_pay():
+    planner = _planner()
+    frontier = np.array([[0.9, 0.5, 0.2, 0.1]])
+    assert planner.keep_drafting(log(frontier))
+    # the next level's nodes could at best add what their parents have: here far less than a step costs
+    assert not planner.keep_drafting(log(np.full((1, 4), 1e-3)))
+    for _ in range(50):  # levels below confident frontiers keep earning nothing: stop at the frontier
+        planner.observe_levels([(log(frontier), log(np.full((1, 16), 1e-3)))])
+    assert not planner.keep_drafting(log(frontier))
+
+
+def test_head_candidates_are_labelled_by_the_target_continuation():
+    """Every candidate the head drafted (verified or not) is scored against the tokens that followed."""
+    from eyas.inference.tree import on_continuation
+
+    #            root  a   b   a.c  a.d  b.e  a.c.f
+    tokens = torch.tensor([[9, 1, 2, 3, 4, 5, 6]])
+    parents = torch.tensor([[-1, 0, 0, 1, 1, 2, 3]])
+    depth = torch.tensor([[0, 1, 1, 2, 2, 2, 3]])
+    tree = DraftTree(tokens, parents, depth, torch.zeros(1, 7))
+    # the target produced 1, 3 (then nothing known): a and a.c are on it; a.c.f is beyond it, undecided
+    on, known = on_continuation(tree, torch.tensor([[1, 3, 0]]), torch.tensor([2]))  # left-aligned
+    assert on.tolist() == [[True, True, False, True, False, False, False]]
+    assert known.tolist() == [[True, True, True, True, True, True, False]]
+    # only 2 known: b is on it; everything under a is known to be off it, b.e undecided
+    on, known = on_continuation(tree, torch.tensor([[2, 0, 0]]), torch.tensor([1]))
+    assert on.tolist() == [[True, False, True, False, False, False, False]]
+    assert known.tolist() == [[True, True, True, True, True, False, True]]
+
+
+def test_plain_cycles_keep_greedy_identity_and_the_head_catches_up():
+    """With drafting not paying, the probes' catch-up covers every token since the last draft."""
+    target = tiny_target("llama")
+    head = make_head(target, "eagle3")
+    gen = SpeculativeGenerator(target, head, TreeOptions(total_tokens="auto", top_k=3, depth=3))
+    gen.generate(PROMPTS[1], max_new_tokens=4, **NO_EOS)  # tunes
+    # a tree verify costs ~10x a plain step here: plain decoding wins, probes still draft now and then
+    gen.planner = Planner(CostModel(1.0, 0.0, 0.1, 0.01), max_depth=3, top_k=3)
+    seen, inner = [], gen.drafter.draft
+
+    def draft(ctx, depth=None, keep_going=None):
+        seen.append(ctx)
+        candidates = inner(ctx, depth, keep_going)
+        _check_scores(head, seen, candidates.tree())
+        return candidates
+
+    gen.drafter.draft = draft
+    res = gen.generate(PROMPTS[0], max_new_tokens=24, **NO_EOS)
+    assert res.tokens == greedy(target, PROMPTS[0], 24)
+    assert res.stats.drafted.count(0) > len(seen) >= 2  # mostly plain, a few probes
+    # a probe catches up on every plain cycle before it (_check_scores: the head saw every token once, in order)
+    assert max(c.counts[0] for c in seen[1:]) > 1
+    assert sum(c.counts[0] for c in seen) <= len(PROMPTS[0]) + len(res.tokens)
+
+
+def test_fit_cost_is_affine_and_never_rewards_noise():
+    assert fit_cost({1: 2.0, 2: 3.0, 4: 5.0}) == pytest.approx((1.0, 1.0))
+    a, b = fit_cost({1: 3.0, 8: 1.0, 16: 1.0})  # a lucky big forward must not make big trees look free
+    assert b == 0.0 and a == pytest.approx(5 / 3)
+
+
+def test_too_long_request_is_refused():
+    target = tiny_target("llama")  # max_position_embeddings 512
+    gen = SpeculativeGenerator(target, make_head(target))
+    with pytest.raises(ValueError, match="max_position_embeddings"):
+        gen.generate(PROMPTS[0], max_new_tokens=510)
+
+
+def test_finished_rows_leave_the_batch():
+    target = tiny_target("qwen3")
+    refs = [greedy(target, p, 20) for p in PROMPTS]
+    # an eos that ends row 1 within a few tokens and never appears in the other rows' outputs
+    eos = next(t for t in refs[1][:6] if all(t not in r for i, r in enumerate(refs) if i != 1))
+    target.verify_mode()  # its one-time check runs forwards of its own
+    rows_per_forward = []
+    forward = target.forward
+
+    def counting_forward(input_ids, *args, **kwargs):
+        rows_per_forward.append(input_ids.shape[0])
+        return forward(input_ids, *args, **kwargs)
+
+    target.forward = counting_forward
+    # no lookup branches: rows 0 and 2 must still be decoding when row 1 ends
+    gen = SpeculativeGenerator(target, make_head(target), TreeOptions(total_tokens=4, depth=2, lookup=0))
+    res = gen.generate_batch(PROMPTS, max_new_tokens=20, eos_token_id=eos)
+    assert res[1].tokens == refs[1][:refs[1].index(eos) + 1]
+    assert res[0].tokens == refs[0] and res[2].tokens == refs[2]
+    assert rows_per_forward[0] == 3 and rows_per_forward[-1] == 2 and sorted(rows_per_forward, reverse=True) == rows_per_forward
+    assert len(res[1].stats.accepted) < len(res[0].stats.accepted)

@@ -1,0 +1,91 @@
+import json
+
+import pytest
+import torch
+
+from eyas.models import DraftHead, HeadConfig, HeadTargetMismatch, load_head, save_head
+from eyas.models.head_config import head_config_for
+from tests.helpers.tiny import FIXTURES, tiny_target
+
+
+def _draft_logits(head, target, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(4, 300, (2, 7), generator=g)
+    out = target(ids, layer_ids=head.config.fused_layer_ids)
+    feat = out.features if head.config.head_type == "eagle3" else out.hidden
+    pos = torch.arange(7).expand(2, -1)
+    return head(ids, head.fuse(feat), pos).logits
+
+
+@pytest.mark.parametrize("head_type", ["eagle1", "eagle3"])
+@pytest.mark.parametrize("arch,tied", FIXTURES)
+def test_save_load_gives_identical_logits(tmp_path, arch, tied, head_type):
+    target = tiny_target(arch, tied)
+    torch.manual_seed(1)
+    head = DraftHead(head_config_for(target, head_type, draft_vocab_size=100), target)
+    if head_type == "eagle3":
+        head.set_vocab_map(torch.randperm(target.vocab_size)[:100])
+    save_head(head, tmp_path / "h")
+    again = load_head(tmp_path / "h", target)
+    assert again.config == head.config
+    torch.testing.assert_close(_draft_logits(again, target), _draft_logits(head, target), rtol=0, atol=0)
+    saved = json.loads((tmp_path / "h" / "config.json").read_text())
+    assert saved["target"]["tokenizer_fingerprint"].startswith("sha256:")
+
+
+def test_exported_weights_exclude_borrowed_modules(tmp_path):
+    from safetensors.torch import load_file
+
+    target = tiny_target("llama", True)
+    save_head(DraftHead(head_config_for(target, "eagle1"), target), tmp_path / "h")
+    keys = load_file(str(tmp_path / "h" / "model.safetensors")).keys()
+    assert not any("embed" in k for k in keys) and "lm_head.weight" not in keys
+
+
+def test_mismatched_target_errors_name_the_problem(tmp_path):
+    target = tiny_target("llama")
+    head = DraftHead(head_config_for(target, "eagle3", draft_vocab_size=64), target)
+    save_head(head, tmp_path / "h")
+    with pytest.raises(HeadTargetMismatch, match="vocab size"):
+        load_head(tmp_path / "h", tiny_target("llama", vocab_size=384))
+    wider = tiny_target("llama")
+    wider.hidden_size = 96  # a differently shaped model, as far as the check can tell
+    with pytest.raises(HeadTargetMismatch, match="hidden size"):
+        load_head(tmp_path / "h", wider)
+    other_tok = tiny_target("llama")
+    other_tok.tokenizer.add_tokens(["brand-new-token"])
+    with pytest.raises(HeadTargetMismatch, match="tokenizer"):
+        load_head(tmp_path / "h", other_tok)
+    shallow = tiny_target("llama", num_layers=1)
+    with pytest.raises(HeadTargetMismatch, match="layer"):
+        load_head(tmp_path / "h", shallow)
+
+
+def test_interrupted_save_keeps_old_head(tmp_path, monkeypatch):
+    import eyas.models.layouts.eyas as hf
+
+    target = tiny_target("llama")
+    head = DraftHead(head_config_for(target, "eagle3", draft_vocab_size=64), target)
+    save_head(head, tmp_path / "h")
+    before = (tmp_path / "h" / "model.safetensors").read_bytes()
+
+    def crash(*a, **k):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(hf, "save_file", crash)
+    with torch.no_grad():
+        head.fc.weight.add_(1)
+    with pytest.raises(KeyboardInterrupt):
+        save_head(head, tmp_path / "h")
+    assert (tmp_path / "h" / "model.safetensors").read_bytes() == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["h"]
+
+
+def test_bad_config_errors():
+    target = tiny_target("llama")
+    with pytest.raises(ValueError, match="unknown head config keys"):
+        HeadConfig.from_dict({**head_config_for(target, "eagle1").to_dict(), "hiden_size": 3})
+    with pytest.raises(ValueError, match="draft_vocab_size"):
+        head_config_for(target, "eagle3", draft_vocab_size=10_000)
+    with pytest.raises(ValueError, match="config.json"):
+        load_head("/nonexistent/head")

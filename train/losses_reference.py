@@ -1,0 +1,73 @@
+"""What the fast losses in losses.py compute, written the plain way: every TTT step at every index, full logits,
+then the loss mask. Slow (dense [T, (i+1)T] masks, a full-vocabulary softmax per position) but readable;
+the tests hold the fast losses to these in value, metrics and gradients."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from eyas.models import DraftHead
+
+from .config import LossConfig
+from .losses import Metrics, feature_noise
+
+
+def soft_ce(logits: torch.Tensor, target_logits: torch.Tensor) -> torch.Tensor:
+    """torch's own soft-target cross-entropy: [..., V] x [..., V] -> [...]."""
+    probs = torch.softmax(target_logits.float(), dim=-1)
+    return F.cross_entropy(logits.flatten(0, -2), probs.flatten(0, -2), reduction="none").view(logits.shape[:-1])
+
+
+def unroll(head: DraftHead, input_ids: torch.Tensor, hidden: torch.Tensor, steps: int) -> list:
+    """Step i over all T-1 indices under the mask [causal | eye * i]: step i at index t sees step 0 at indices <= t
+    and its own chain's steps 1..i at index t. Returns one HeadOutput per step."""
+    b, n = hidden.shape[:2]
+    causal = torch.ones(n, n, dtype=torch.bool, device=hidden.device).tril()
+    eye = torch.eye(n, dtype=torch.bool, device=hidden.device)
+    cache, outputs = head.new_cache(b, n * steps), []
+    for i in range(min(steps, n)):
+        ids = torch.cat([input_ids[:, 1 + i:], input_ids.new_zeros(b, i)], dim=1)
+        mask = torch.cat([causal] + [eye] * i, dim=-1).expand(b, -1, -1)
+        out = head(ids, hidden, (torch.arange(n, device=hidden.device) + i).expand(b, -1), mask, cache)
+        hidden = out.hidden
+        outputs.append(out)
+    return outputs
+
+
+def eagle3_loss(head: DraftHead, input_ids: torch.Tensor, valid: torch.Tensor, features: torch.Tensor,
+                target_logits: torch.Tensor, config: LossConfig) -> tuple[torch.Tensor, Metrics]:
+    """losses.eagle3_ttt_loss, every step at every index."""
+    b, t = input_ids.shape
+    target_top = target_logits.argmax(-1)
+    in_vocab = head.t2d[target_top]
+    restricted = target_logits.gather(-1, head.draft_to_target.expand(b, t, -1))
+    hidden = feature_noise(head.fuse(features[:, : t - 1]), config.feature_noise)
+    loss, metrics = 0.0, {}
+    for i, out in enumerate(unroll(head, input_ids, hidden, config.ttt_steps)):
+        logits = out.logits[:, : t - 1 - i]
+        keep = valid[:, 1 + i:].float()
+        count = keep.sum()
+        step_loss = (soft_ce(logits, restricted[:, 1 + i:]) * keep).sum() / count.clamp(min=1)
+        loss = loss + config.step_decay ** i * step_loss
+        hit = head.to_target_ids(logits.argmax(-1)) == target_top[:, 1 + i:]
+        metrics.update({f"loss/step{i}": step_loss.detach() * count, f"correct/step{i}": (hit.float() * keep).sum(),
+                        f"count/step{i}": count, f"oov/step{i}": ((~in_vocab[:, 1 + i:]).float() * keep).sum()})
+    return loss, metrics
+
+
+def eagle1_loss(head: DraftHead, input_ids: torch.Tensor, valid: torch.Tensor, target_hidden: torch.Tensor,
+                target_logits: torch.Tensor, config: LossConfig) -> tuple[torch.Tensor, Metrics]:
+    """losses.eagle1_loss at every index."""
+    b, t = input_ids.shape
+    out = head(input_ids[:, 1:], feature_noise(head.fuse(target_hidden[:, :-1]), config.feature_noise),
+               torch.arange(t - 1, device=input_ids.device).expand(b, -1))
+    keep = valid[:, 1:].float()
+    count = keep.sum()
+    feature = F.smooth_l1_loss(out.hidden, target_hidden[:, 1:], reduction="none").mean(-1)
+    feature_loss = (feature * keep).sum() / count.clamp(min=1)
+    ce_loss = (soft_ce(out.logits, target_logits[:, 1:]) * keep).sum() / count.clamp(min=1)
+    correct = ((out.logits.argmax(-1) == target_logits[:, 1:].argmax(-1)).float() * keep).sum()
+    loss = config.feature_weight * feature_loss + config.ce_weight * ce_loss
+    return loss, {"loss/feature": feature_loss.detach() * count, "loss/ce": ce_loss.detach() * count,
+                  "correct/step0": correct, "count/step0": count, "oov/step0": torch.zeros_like(count)}
