@@ -34,7 +34,6 @@ def _batch(args, target) -> tuple[dict[str, torch.Tensor], str]:
         ones = torch.ones_like(ids, dtype=torch.bool)
         return {"input_ids": ids, "loss_mask": ones, "attention_mask": ones}, "random ids, loss at every position"
     from eyas.data import build_examples
-
     from eyas.train.data import ExampleStream, collate
 
     examples, _ = build_examples(args.data, target.tokenizer, max_length=args.length, limit=16 * args.batch)

@@ -7,13 +7,15 @@ if no loss-masked token survives the cut, the row is skipped as "too_long".
 
 from __future__ import annotations
 
-import math
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Literal, Sequence
 
 import datasets
+import torch
 from transformers import PreTrainedTokenizerBase
+
+from eyas.models.errors import InputError
 
 from .chat_template import TemplateError, render_with_mask
 from .sources import REASONS, FieldMap, SourceInfo, load_conversations
@@ -97,12 +99,22 @@ def build_examples(
     return ds.remove_columns("skip"), summary
 
 
+def split_indices(n: int, held_out: float | int, seed: int) -> tuple[list[int], list[int]]:
+    """Seeded (train, held-out) row indices, both ascending; held_out is a fraction (< 1) or a row count.
+
+    The one split of eyas: `eyas data prepare` and `eyas train` (online or from a hidden-state cache of the
+    same rows) hold out the same rows for the same seed."""
+    count = int(held_out) if held_out >= 1 else round(held_out * n)
+    if held_out > 0:
+        count = max(count, 1)
+    if not 0 <= count < n:
+        raise InputError(f"held_out={held_out} leaves no training rows out of {n}; lower it")
+    order = torch.randperm(n, generator=torch.Generator().manual_seed(seed)).tolist()
+    return sorted(order[count:]), sorted(order[:count])
+
+
 def split_examples(dataset: datasets.Dataset, held_out: float | int = 0.02,
                    seed: int = 0) -> tuple[datasets.Dataset, datasets.Dataset]:
-    """Deterministic (train, held_out) split by seed; held_out is a fraction or a row count."""
-    n = len(dataset)
-    count = math.ceil(held_out * n) if isinstance(held_out, float) else int(held_out)
-    if not 0 < count < n:
-        raise ValueError(f"held_out={held_out} leaves no train or no held-out rows out of {n}")
-    parts = dataset.train_test_split(test_size=count, seed=seed, shuffle=True)
-    return parts["train"], parts["test"]
+    """Deterministic (train, held_out) datasets by seed (`split_indices`)."""
+    train, held = split_indices(len(dataset), held_out, seed)
+    return dataset.select(train), dataset.select(held)

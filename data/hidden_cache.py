@@ -32,8 +32,8 @@ from safetensors.torch import save
 from tqdm.auto import tqdm
 
 from eyas.models.atomic import atomic_file
-from eyas.models.target import Target, resolve_dtype
 from eyas.models.errors import MissingInput
+from eyas.models.target import Target, resolve_dtype
 
 logger = logging.getLogger(__name__)
 

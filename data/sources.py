@@ -23,12 +23,13 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from collections.abc import Mapping
 from typing import Any, Iterator
 
 import datasets
+
 from eyas.models.errors import MissingInput
 
 # Why each kind of row is skipped; build_examples adds "too_long" and "template_error".

@@ -32,7 +32,6 @@ import torch
 from .sampling import Sampling, choose, penalize
 from .tree import DraftTree, path_to
 
-
 # A verifier maps the target's logits over a tree to its choice y at every node; tests inject biased ones.
 Verifier = Callable[[torch.Tensor, DraftTree, Sampling, "torch.Generator | None"], torch.Tensor]
 

@@ -20,15 +20,14 @@ from typing import Any, Callable, Sequence
 import torch
 from tqdm.auto import tqdm
 
+from eyas.data.chat_template import encode_prompt
 from eyas.models import DraftHead, Target
 from eyas.models.atomic import atomic_file
-
-from eyas.data.chat_template import encode_prompt
+from eyas.models.errors import MissingInput
 
 from .bench_report import format_table, summarize, write_plot
 from .sampling import Sampling, choose
 from .timing import synchronize
-from eyas.models.errors import MissingInput
 
 WARMUP_TOKENS = 8
 

@@ -17,7 +17,6 @@ import torch
 
 from .tree import DraftTree
 
-
 MAX_NGRAM = 3  # longest match tried
 
 

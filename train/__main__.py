@@ -14,9 +14,11 @@ def main() -> None:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     add_arguments(parser)
     args = parser.parse_args()
+    from eyas.models.errors import EyasError
+
     try:
         code = train_command(args)
-    except (ValueError, FileNotFoundError) as e:  # bad input: one clear line, not a traceback
+    except (EyasError, ValueError, FileNotFoundError) as e:  # bad input: one clear line, not a traceback
         print(f"eyas train: error: {e}", file=sys.stderr)
         code = 2
     sys.stdout.flush()

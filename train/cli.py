@@ -31,12 +31,9 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def train_command(args: argparse.Namespace) -> int:
     from .config import load_config
-    from .trainer import LaunchMismatch, NonFiniteLoss, run
+    from .trainer import run
 
-    try:
-        result = run(load_config(args.config, args.overrides))
-    except (NonFiniteLoss, LaunchMismatch) as e:
-        raise ValueError(str(e)) from e  # reported as one clear line by the caller
+    result = run(load_config(args.config, args.overrides))  # expected failures raise EyasError: one line
     if result and os.environ.get("RANK", "0") == "0":
         print(" ".join(f"{k}={v:.4f}" for k, v in sorted(result.items())))
     return 0

@@ -11,9 +11,11 @@ the doubled batch.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Callable, Protocol
 
 import torch
+
+from eyas.data.examples import split_indices
 
 from .config import DataConfig
 
@@ -38,17 +40,6 @@ def load_examples(config: DataConfig, target, seed: int) -> tuple[Examples, Exam
     examples, skips = _tokenized(config, config.source, target.tokenizer, field_map=config.field_map, limit=config.limit)
     train_idx, held_idx = split_indices(len(examples), config.held_out, seed)
     return examples.select(train_idx), examples.select(held_idx), str(skips)
-
-
-def split_indices(n: int, held_out: float, seed: int) -> tuple[list[int], list[int]]:
-    """Seeded (train, held-out) index split; held_out is a fraction (<1) or a count."""
-    count = int(held_out) if held_out >= 1 else round(held_out * n)
-    if held_out > 0:
-        count = max(count, 1)
-    if count >= n:
-        raise ValueError(f"data.held_out={held_out} leaves no training examples out of {n}")
-    order = torch.randperm(n, generator=torch.Generator().manual_seed(seed)).tolist()
-    return sorted(order[count:]), sorted(order[:count])
 
 
 class Subset:
@@ -120,6 +111,25 @@ def collate(rows: list[dict[str, Any]], pad_id: int) -> dict[str, torch.Tensor]:
                 v = torch.as_tensor(r[key])
                 out[key][i, : v.shape[0]] = v
     return out
+
+
+def draft_vocab(config, target, train_set, size: int, accelerator, log: Callable[[str], None]) -> torch.Tensor:
+    """The EAGLE-3 draft vocabulary of the run (draft id -> target id, [size]): the `size` most trained-on target
+    tokens of the training data, or of `data.vocab_source`; its coverage of the training targets is logged."""
+    from eyas.data.vocab import build_vocab_map, coverage
+
+    d = config.data
+    train_rows = train_set.token_rows() if d.hidden_states == "offline" else train_set  # the cache: tokens only
+    with accelerator.main_process_first():  # the main process tokenizes (a vocab_source) and caches first
+        counted = train_rows if d.vocab_source is None else vocab_source_rows(d, target.tokenizer)
+        vocab = build_vocab_map(counted, target.tokenizer, size, vocab_cache_path(d, config.output_dir))
+    if counted is train_rows:
+        covered, counted_on = vocab.coverage, ""
+    else:
+        covered = coverage(train_rows, vocab.draft_to_target, len(target.tokenizer))
+        counted_on = f" (counted on {d.vocab_source}: {vocab.coverage:.1%} there)"
+    log(f"draft vocab: {size} tokens cover {covered:.1%} of training targets{counted_on}")
+    return vocab.draft_to_target
 
 
 def vocab_cache_path(config: DataConfig, output_dir: str) -> Path:

@@ -13,13 +13,48 @@ The target is loaded whole in each process first, so peak host memory at load is
 
 from __future__ import annotations
 
-from typing import Literal
+import contextlib
+from typing import Callable, Literal
 
 import torch
 
 from eyas.models import Target
 
 Placement = Literal["replicate", "zero3", "fsdp"]
+
+
+def load_target(config, accelerator, log: Callable[[str], None]) -> Target:
+    """The run's frozen target on the run's device, placed as `distributed.target_placement` says (logged)."""
+    c, acc = config, accelerator
+    plugin = acc.state.deepspeed_plugin
+    with _unsharded_loading(plugin):
+        target = Target.load(c.target.spec, dtype=c.target.dtype, device=acc.device)
+    placement = choose_placement(c.distributed.target_placement, acc.distributed_type.name,
+                                 plugin.zero_stage if plugin else None, acc.num_processes)
+    shard_target(target, placement, plugin.deepspeed_config if plugin else None, c.batch.size)
+    held, total = held_parameters(target)
+    per_rank = acc.gather(torch.tensor([held], device=acc.device)).tolist()
+    log(f"target placement {placement}: weights held per process {per_rank} of {total}")
+    return target
+
+
+@contextlib.contextmanager
+def _unsharded_loading(plugin):
+    """Under ZeRO-3 accelerate registers its DeepSpeed config with transformers, whose from_pretrained then
+    shards the model at construction (zero.Init). The target is frozen and runs outside the head's engine,
+    so it is loaded whole (then sharded by its own engine, see target_sharding); the registration is
+    restored afterwards."""
+    if plugin is None or plugin.zero_stage != 3:
+        yield
+        return
+    from transformers.integrations import unset_hf_deepspeed_config
+
+    unset_hf_deepspeed_config()
+    try:
+        yield
+    finally:
+        plugin.set_deepspeed_weakref()
+
 
 
 def choose_placement(requested: str, distributed_type: str, zero_stage: int | None, processes: int) -> Placement:

@@ -15,7 +15,6 @@ from __future__ import annotations
 import contextlib
 import json
 import math
-import os
 import resource
 import time
 from pathlib import Path
@@ -23,58 +22,21 @@ from typing import Any
 
 import torch
 
-from eyas.models import DraftHead, Target, head_config_for
+from eyas.models import DraftHead, head_config_for
+from eyas.models.errors import ConfigError, EyasError
 from eyas.models.signals import GracefulStop
 
 from . import checkpoint
 from .config import RunConfig, dump_config
-from .data import ExampleStream, collate, load_examples, micro_batch_start, vocab_cache_path, vocab_source_rows
+from .data import ExampleStream, collate, draft_vocab, load_examples, micro_batch_start
+from .launch import TRACKERS, LaunchMismatch, check_launch, make_accelerator
 from .losses import DistillationLoss, acceptance
-from .target_sharding import choose_placement, held_parameters, shard_target
+from .optim import optimizer_and_schedule
+from .target_sharding import load_target
 
 
-class NonFiniteLoss(RuntimeError):
+class NonFiniteLoss(EyasError):
     """The loss became NaN/inf: training stops; the last checkpoint on disk is the last good state."""
-
-
-class LaunchMismatch(RuntimeError):
-    """The run got a different process count or distributed type than the launcher or config asked for."""
-
-
-def lr_lambda(config: RunConfig, total_steps: int):
-    s = config.schedule
-
-    def factor(step: int) -> float:
-        if step < s.warmup_steps:
-            return (step + 1) / (s.warmup_steps + 1)
-        if s.kind == "constant":
-            return 1.0
-        progress = min(1.0, (step - s.warmup_steps) / max(1, total_steps - s.warmup_steps))
-        decay = 0.5 * (1 + math.cos(math.pi * progress)) if s.kind == "cosine" else 1 - progress
-        return s.min_lr_ratio + (1 - s.min_lr_ratio) * decay
-
-    return factor
-
-
-def check_launch(accelerator, config: RunConfig) -> str:
-    """Refuse a run whose process count/type differs from the launcher's WORLD_SIZE or the config."""
-    got_n, got_type = accelerator.num_processes, accelerator.distributed_type.name
-    line = f"launch: {got_n} process(es), distributed type {got_type}, device {accelerator.device}"
-    problems = []
-    env_world = int(os.environ.get("WORLD_SIZE", "1"))
-    if env_world != got_n:
-        problems.append(f"the launcher started WORLD_SIZE={env_world} processes but accelerate sees {got_n} "
-                        "(on CPU use: ACCELERATE_USE_CPU=true accelerate launch --multi_gpu --num_processes N)")
-    want = config.distributed
-    if want.expect_processes is not None and want.expect_processes != got_n:
-        problems.append(f"distributed.expect_processes={want.expect_processes} but the run has {got_n} process(es)")
-    if want.expect_type is not None and want.expect_type.upper() != got_type:
-        problems.append(f"distributed.expect_type={want.expect_type} but the run is {got_type}")
-    if got_n > 1 and got_type == "NO":
-        problems.append(f"{got_n} processes without a distributed type: they would train unsynchronised copies")
-    if problems:
-        raise LaunchMismatch(line + "; " + "; ".join(problems))
-    return line
 
 
 def peak_memory_mib(device: torch.device) -> float:
@@ -87,78 +49,24 @@ class Trainer:
     """Distill a draft head from a frozen target as described by a RunConfig."""
 
     def __init__(self, config: RunConfig) -> None:
-        from accelerate import Accelerator
-        from accelerate.utils import InitProcessGroupKwargs, set_seed
+        """Setup, in order: accelerator, frozen target, data, head (and its draft vocabulary), optimizer, resume."""
+        from accelerate.utils import set_seed
 
         self.config = c = config
         self.out = Path(c.output_dir)
-        backends = {"none": None, "tensorboard": ["tensorboard"], "wandb": ["wandb"], "all": ["tensorboard", "wandb"]}
-        handlers = []
-        if not torch.cuda.is_available() and int(os.environ.get("WORLD_SIZE", "1")) > 1:
-            # Without a GPU, DeepSpeed/DDP need gloo; otherwise accelerate believes it has one process.
-            handlers.append(InitProcessGroupKwargs(backend="gloo"))
-        self.accelerator = acc = Accelerator(
-            mixed_precision="bf16" if c.precision == "bf16" else "no",
-            gradient_accumulation_steps=c.batch.grad_accum,
-            log_with=backends[c.logging.backend], project_dir=str(self.out / "logs"),
-            kwargs_handlers=handlers,
-        )
+        self.accelerator = acc = make_accelerator(c)
         self.log(check_launch(acc, c))
         set_seed(c.seed)
-
-        plugin = acc.state.deepspeed_plugin
-        with _unsharded_loading(plugin):
-            self.target = Target.load(c.target.spec, dtype=c.target.dtype, device=acc.device)
-        placement = choose_placement(c.distributed.target_placement, acc.distributed_type.name,
-                                     plugin.zero_stage if plugin else None, acc.num_processes)
-        shard_target(self.target, placement, plugin.deepspeed_config if plugin else None, c.batch.size)
-        held, total = held_parameters(self.target)
-        per_rank = acc.gather(torch.tensor([held], device=acc.device)).tolist()
-        self.log(f"target placement {placement}: weights held per process {per_rank} of {total}")
+        self.target = load_target(c, acc, self.log)
         with acc.main_process_first():
             self.train_set, self.held_out, summary = load_examples(c.data, self.target, c.seed)
         self.log(f"data: {summary}; {len(self.train_set)} train / {len(self.held_out)} held-out examples")
-
-        hc = c.head
-        head_config = head_config_for(self.target, hc.type, draft_vocab_size=hc.draft_vocab_size,
-                                      fused_layer_ids=hc.fused_layer_ids, num_layers=hc.num_layers)
-        self.head = head = DraftHead(head_config, self.target).to(acc.device)
-        offline = c.data.hidden_states == "offline"
-        if offline and list(self.train_set.layer_ids) != list(head_config.fused_layer_ids):
-            raise ValueError(f"the hidden-state cache {c.data.cache_dir} holds layers {self.train_set.layer_ids}, the "
-                             f"head fuses {list(head_config.fused_layer_ids)}: set head.fused_layer_ids to match")
-        if hc.type == "eagle3" and head_config.draft_vocab_size < head_config.vocab_size:
-            from eyas.data.vocab import build_vocab_map, coverage
-
-            vocab_path = vocab_cache_path(c.data, c.output_dir)
-            train_rows = self.train_set.token_rows() if offline else self.train_set  # the cache: tokens only
-            with acc.main_process_first():  # the main process tokenizes (a vocab_source) and caches first
-                counted = train_rows if c.data.vocab_source is None else vocab_source_rows(c.data, self.target.tokenizer)
-                vocab = build_vocab_map(counted, self.target.tokenizer, head_config.draft_vocab_size, vocab_path)
-            head.set_vocab_map(vocab.draft_to_target)
-            if counted is train_rows:
-                covered, counted_on = vocab.coverage, ""
-            else:
-                covered = coverage(train_rows, vocab.draft_to_target, len(self.target.tokenizer))
-                counted_on = f" (counted on {c.data.vocab_source}: {vocab.coverage:.1%} there)"
-            self.log(f"draft vocab: {head_config.draft_vocab_size} tokens cover {covered:.1%} of training targets{counted_on}")
-
+        self.head = self._build_head()
         self.world = acc.num_processes
         self.global_batch = c.batch.size * self.world * c.batch.grad_accum
         self.total_steps = c.schedule.total_steps or max(1, math.ceil(c.schedule.epochs * len(self.train_set)
                                                                       / self.global_batch))
-        model = DistillationLoss(head, c.loss)
-        optimizer = torch.optim.AdamW(head.parameters(), lr=c.optim.lr, betas=c.optim.betas, eps=c.optim.eps,
-                                      weight_decay=c.optim.weight_decay)
-        # Stepped by hand once per optimizer step (a prepared scheduler would step once per process).
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(c, self.total_steps))
-        if acc.state.deepspeed_plugin is not None:
-            ds = acc.state.deepspeed_plugin.deepspeed_config
-            ds["train_micro_batch_size_per_gpu"] = c.batch.size  # no prepared dataloader to infer it from
-            ds["gradient_clipping"] = c.optim.grad_clip
-        self.model, self.optimizer = acc.prepare(model, optimizer)
-        acc.register_for_checkpointing(self.scheduler)
-
+        self.model, self.optimizer, self.scheduler = self._prepare_optimizer()
         self.step, self.consumed, self.tokens_seen = 0, 0, 0
         self.stream = ExampleStream(self.train_set, c.seed)
         self.pad_id = self.target.tokenizer.pad_token_id if self.target.tokenizer.pad_token_id is not None else 0
@@ -167,8 +75,35 @@ class Trainer:
         if acc.is_main_process:
             self.out.mkdir(parents=True, exist_ok=True)
             (self.out / "config.yaml").write_text(dump_config(c))
-        if backends[c.logging.backend]:
+        if TRACKERS[c.logging.backend]:
             acc.init_trackers(c.logging.project, config=_flat(c.to_dict()))
+
+    def _build_head(self) -> DraftHead:
+        """The head the config describes, on the run's device, with its draft vocabulary installed (EAGLE-3)."""
+        c, acc = self.config, self.accelerator
+        hc = c.head
+        head_config = head_config_for(self.target, hc.type, draft_vocab_size=hc.draft_vocab_size,
+                                      fused_layer_ids=hc.fused_layer_ids, num_layers=hc.num_layers)
+        if c.data.hidden_states == "offline" and list(self.train_set.layer_ids) != list(head_config.fused_layer_ids):
+            raise ConfigError(f"the hidden-state cache {c.data.cache_dir} holds layers {self.train_set.layer_ids}, the "
+                              f"head fuses {list(head_config.fused_layer_ids)}: set head.fused_layer_ids to match")
+        head = DraftHead(head_config, self.target).to(acc.device)
+        if hc.type == "eagle3" and head_config.draft_vocab_size < head_config.vocab_size:
+            head.set_vocab_map(draft_vocab(c, self.target, self.train_set, head_config.draft_vocab_size, acc, self.log))
+        return head
+
+    def _prepare_optimizer(self):
+        """(wrapped loss module, optimizer, scheduler): the head and its loss are the only prepared model."""
+        c, acc = self.config, self.accelerator
+        model = DistillationLoss(self.head, c.loss)
+        optimizer, scheduler = optimizer_and_schedule(c, self.head.parameters(), self.total_steps)
+        if acc.state.deepspeed_plugin is not None:
+            ds = acc.state.deepspeed_plugin.deepspeed_config
+            ds["train_micro_batch_size_per_gpu"] = c.batch.size  # no prepared dataloader to infer it from
+            ds["gradient_clipping"] = c.optim.grad_clip
+        model, optimizer = acc.prepare(model, optimizer)
+        acc.register_for_checkpointing(scheduler)
+        return model, optimizer, scheduler
 
     # ---- setup helpers -------------------------------------------------------------------------
     def log(self, message: str) -> None:
@@ -372,24 +307,6 @@ class Trainer:
 
     def cleanup(self) -> None:
         self.accelerator.end_training()
-
-
-@contextlib.contextmanager
-def _unsharded_loading(plugin):
-    """Under ZeRO-3 accelerate registers its DeepSpeed config with transformers, whose from_pretrained then
-    shards the model at construction (zero.Init). The target is frozen and runs outside the head's engine,
-    so it is loaded whole (then sharded by its own engine, see target_sharding); the registration is
-    restored afterwards."""
-    if plugin is None or plugin.zero_stage != 3:
-        yield
-        return
-    from transformers.integrations import unset_hf_deepspeed_config
-
-    unset_hf_deepspeed_config()
-    try:
-        yield
-    finally:
-        plugin.set_deepspeed_weakref()
 
 
 def _add(into: dict[str, float], values: dict[str, float]) -> None:

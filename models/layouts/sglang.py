@@ -13,8 +13,18 @@ from safetensors.torch import save_file
 from ..config import HeadConfig
 from ..errors import InputError
 from . import register
-from .common import (BORROWED_KEYS, CONFIG_NAME, WEIGHTS_NAME, check_state, llama_fields, read_weights, rename, required,
-                     shape_from_llama, vocab_maps)
+from .common import (
+    BORROWED_KEYS,
+    CONFIG_NAME,
+    WEIGHTS_NAME,
+    check_state,
+    llama_fields,
+    read_weights,
+    rename,
+    required,
+    shape_from_llama,
+    vocab_maps,
+)
 from .eagle3_foreign import check_target_width, foreign_ids, fused_from_foreign, identity, where
 
 ARCHS = ("LlamaForCausalLMEagle3",)

@@ -13,8 +13,17 @@ from safetensors.torch import save_file
 from ..config import HeadConfig
 from ..errors import InputError
 from . import register
-from .common import (BORROWED_KEYS, CONFIG_NAME, WEIGHTS_NAME, check_state, llama_fields, read_weights, required,
-                     shape_from_llama, vocab_maps)
+from .common import (
+    BORROWED_KEYS,
+    CONFIG_NAME,
+    WEIGHTS_NAME,
+    check_state,
+    llama_fields,
+    read_weights,
+    required,
+    shape_from_llama,
+    vocab_maps,
+)
 from .eagle3_foreign import check_target_width, foreign_ids, fused_from_foreign, identity, where
 
 LAYER_ID_OFFSET = 0  # foreign aux id = eyas fused id (eagle3_foreign)

@@ -10,12 +10,11 @@ import sys
 
 import torch
 
-from tests.data.test_regenerate import conversations
-from tests.helpers.tiny import tiny_model, tiny_tokenizer
-
 from eyas.data.hidden_cache import HiddenStateDataset
 from eyas.inference.cli import main
 from eyas.models import default_fused_layer_ids
+from tests.data.test_regenerate import conversations
+from tests.helpers.tiny import tiny_model, tiny_tokenizer
 
 
 def tiny_folder_and_chats(tmp_path, monkeypatch):

@@ -6,9 +6,9 @@ import json
 from pathlib import Path
 
 import pytest
-from tests.helpers.tiny import tiny_tokenizer
 
 from eyas.data import build_examples, load_conversations, render_with_mask, split_examples
+from tests.helpers.tiny import tiny_tokenizer
 
 LLAMA3 = (
     "{% set loop_messages = messages %}{% for message in loop_messages %}"
@@ -200,3 +200,29 @@ def test_truncation_keeps_the_first_tokens_exactly():
         for n in (5, 300, 1000):
             cut = render_with_mask(tok, long, max_tokens=n)
             assert (cut.input_ids, cut.loss_mask) == (full.input_ids[:n], full.loss_mask[:n])
+
+
+def test_prepare_and_train_hold_out_the_same_rows(tmp_path):
+    """`eyas data prepare` and `eyas train` read the same source with the same seed: the same held-out rows."""
+    import json as _json
+    import types
+
+    import datasets
+
+    from eyas.inference.cli import main
+    from eyas.train.config import DataConfig
+    from eyas.train.data import load_examples
+
+    tok = tiny_tokenizer()
+    tok.save_pretrained(tmp_path / "tok")
+    (tmp_path / "tok" / "config.json").write_text("{}")  # a target folder eyas resolves (only its tokenizer is read)
+    src = tmp_path / "convs.jsonl"
+    src.write_text("".join(_json.dumps({"messages": [{"role": "user", "content": f"w{i} w{i + 1}"},
+                                                     {"role": "assistant", "content": f"w{i + 2}"}]}) + "\n"
+                           for i in range(30)))
+    assert main(["data", "prepare", "--target", str(tmp_path / "tok"), "--source", str(src), "--out",
+                 str(tmp_path / "ex"), "--held-out", "5", "--seed", "7", "--max-length", "64"]) == 0
+    prepared = datasets.load_from_disk(str(tmp_path / "ex" / "held_out"))["input_ids"]
+    target = types.SimpleNamespace(tokenizer=tok)
+    _, held, _ = load_examples(DataConfig(source=str(src), held_out=5, max_length=64), target, seed=7)
+    assert sorted(map(tuple, prepared)) == sorted(tuple(r["input_ids"]) for r in held) and len(prepared) == 5

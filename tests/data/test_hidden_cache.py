@@ -5,9 +5,9 @@ from __future__ import annotations
 import datasets
 import pytest
 import torch
-from tests.helpers.tiny import tiny_target
 
 from eyas.data.hidden_cache import HiddenStateDataset, cache_hidden
+from tests.helpers.tiny import tiny_target
 
 LAYERS = (1, 2, 4)  # 4 = the final normed state of the 4-layer tiny target
 

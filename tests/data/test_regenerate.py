@@ -10,12 +10,12 @@ import signal
 import datasets
 import pytest
 import torch
-from tests.helpers.tiny import tiny_target
 
 from eyas.data.chat_template import render_with_mask
 from eyas.data.hidden_cache import HiddenStateDataset, cache_hidden, stored_shards
 from eyas.data.regen_store import regenerate_jsonl
 from eyas.data.regenerate import RegenConfig, Scheduler, regenerate
+from tests.helpers.tiny import tiny_target
 
 EOS = list(range(20, 60))  # many "end" ids so answers stop at different lengths and slots refill
 

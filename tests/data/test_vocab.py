@@ -5,10 +5,10 @@ from __future__ import annotations
 import datasets
 import pytest
 import torch
-from tests.helpers.tiny import tiny_target, tiny_tokenizer
 
 from eyas.data.vocab import build_vocab_map, load_vocab_map, read_vocab_map
 from eyas.models import DraftHead, head_config_for
+from tests.helpers.tiny import tiny_target, tiny_tokenizer
 
 
 def examples(rows):

@@ -7,9 +7,8 @@ import json
 import random
 from pathlib import Path
 
-from tests.helpers.tiny import tiny_model, tiny_tokenizer
-
 from eyas.train.config import RunConfig, load_config
+from tests.helpers.tiny import tiny_model, tiny_tokenizer
 
 REPO = Path(__file__).resolve().parents[2]
 TINY_CONFIG = REPO / "configs" / "tiny-eagle3.yaml"

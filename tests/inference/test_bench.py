@@ -4,9 +4,9 @@ import pytest
 import torch
 
 from eyas.inference import bench
-from eyas.inference.sampling import Sampling
 from eyas.inference.bench import Question, load_questions, run_bench
 from eyas.inference.bench_report import accept_rate_per_position, summarize
+from eyas.inference.sampling import Sampling
 from eyas.models import DraftHead, save_head
 from eyas.models.head_config import head_config_for
 from tests.helpers.tiny import tiny_target

@@ -5,11 +5,11 @@ import pytest
 import torch
 
 from eyas.inference import SpeculativeGenerator, TreeOptions
+from eyas.inference.costs import CostModel, fit_cost
 from eyas.inference.drafter import HeadDrafter
+from eyas.inference.planner import Planner
 from eyas.inference.tree import DraftTree
 from eyas.models.masks import causal
-from eyas.inference.costs import CostModel, fit_cost
-from eyas.inference.planner import Planner
 from tests.helpers.inference import NO_EOS, PROMPTS, Oracle, always_accept_first_child, greedy, make_head
 from tests.helpers.tiny import FIXTURES, tiny_target
 

@@ -60,7 +60,6 @@ def test_lookup_keeps_greedy_identity_and_earns_tokens_on_repetitive_text(arch):
 
 
 def test_planner_sizes_lookup_branches_by_the_match_length_they_came_from():
-    import numpy as np
 
     from eyas.inference.costs import CostModel
     from eyas.inference.planner import Planner

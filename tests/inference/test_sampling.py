@@ -5,7 +5,8 @@ import torch
 from transformers import DynamicCache
 
 from eyas.inference import SpeculativeGenerator, TreeOptions
-from eyas.inference.sampling import Sampling, distribution as target_distribution
+from eyas.inference.sampling import Sampling
+from eyas.inference.sampling import distribution as target_distribution
 from eyas.models import DraftHead, head_config_for
 from tests.helpers.inference import always_accept_first_child
 from tests.helpers.tiny import tiny_target

@@ -2,8 +2,7 @@ import pytest
 import torch
 
 from eyas.inference.acceptance import accept
-from eyas.inference.drafter import DynamicExpansion, StaticExpansion, TreeOptions
-from eyas.inference.drafter import Candidates
+from eyas.inference.drafter import Candidates, StaticExpansion, TreeOptions
 from eyas.inference.tree import DraftTree, ancestor_mask, chain_paths, path_to
 from eyas.models.masks import after_history
 

@@ -3,9 +3,9 @@
 from pathlib import Path
 
 import pytest
+import yaml
 
 from eyas.train.config import ConfigError, RunConfig, dump_config, from_dict, load_config
-import yaml
 
 CONFIGS = sorted((Path(__file__).resolve().parents[2] / "configs").glob("*.yaml"))
 

@@ -17,11 +17,10 @@ import sys
 import pytest
 import torch
 
-from tests.helpers.train import REPO, TINY_CONFIG, reset_accelerate, tiny_run_config
-
 from eyas.models import load_head
 from eyas.train import checkpoint
 from eyas.train.trainer import run
+from tests.helpers.train import REPO, TINY_CONFIG, reset_accelerate, tiny_run_config
 
 LAUNCHES = {
     "ddp": ("configs/accelerate/ddp_cpu.yaml", {"ACCELERATE_USE_CPU": "true"}, "MULTI_CPU"),

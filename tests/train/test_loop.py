@@ -9,12 +9,11 @@ import signal
 import pytest
 import torch
 
-from tests.helpers.train import reset_accelerate, tiny_run_config
-
 from eyas.models import load_head
 from eyas.train import checkpoint
 from eyas.train.losses import DistillationLoss
 from eyas.train.trainer import NonFiniteLoss, Trainer, run
+from tests.helpers.train import reset_accelerate, tiny_run_config
 
 
 @pytest.fixture(autouse=True)

@@ -4,20 +4,18 @@ out-of-draft-vocab positions are counted, and the acceptance-length estimate."""
 
 import pytest
 import torch
-import torch.nn.functional as F
-
-from tests.helpers.tiny import tiny_target
 
 from eyas.models import DraftHead, head_config_for
-from eyas.train.config import LossConfig
 from eyas.models.layers import attend
 from eyas.models.masks import additive, causal
 from eyas.models.ttt import TTTAttention
+from eyas.train.config import LossConfig
+from eyas.train.losses import acceptance, eagle1_loss, eagle3_ttt_loss, soft_cross_entropy
 from eyas.train.losses_reference import eagle1_loss as reference_eagle1
 from eyas.train.losses_reference import eagle3_loss as reference_eagle3
 from eyas.train.losses_reference import soft_ce as reference_soft_ce
 from eyas.train.losses_reference import unroll as reference_unroll
-from eyas.train.losses import acceptance, eagle1_loss, eagle3_ttt_loss, feature_noise, soft_cross_entropy
+from tests.helpers.tiny import tiny_target
 
 
 def test_ttt_cache_attends_like_the_literal_mask():
