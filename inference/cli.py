@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import logging
 import sys
 
 # (module, subcommands it registers) in the order `eyas --help` lists them.
@@ -29,6 +30,14 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     from eyas.models.errors import EyasError
+
+    # the library reports through `logging`; the CLI shows its INFO lines (progress notes, measured costs)
+    root = logging.getLogger("eyas")
+    if not root.handlers:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("%(message)s"))
+        root.addHandler(handler)
+        root.setLevel(logging.INFO)
 
     try:
         return int(args.func(args) or 0)
