@@ -137,7 +137,7 @@ def _prepare(args: argparse.Namespace) -> int:
                                  args.limit, args.num_proc)
     print(summary)
     train, held = split_examples(ds, _held_out(args.held_out), args.seed)
-    with atomic_folder(args.out) as tmp:
+    with atomic_folder(args.out, ("train", "held_out", "prepare.json")) as tmp:
         train.save_to_disk(str(tmp / "train"))
         held.save_to_disk(str(tmp / "held_out"))
         (tmp / "prepare.json").write_text(json.dumps({

@@ -240,7 +240,7 @@ def load_conversations(source: str, field_map: FieldMap | dict | str | None = No
                      num_proc=num_proc, desc="normalising conversations")
     info.rows = len(ds)
     if cache:
-        with atomic_folder(folder) as tmp:
+        with atomic_folder(folder, ours=None) as tmp:  # eyas's own cache
             ds.save_to_disk(str(tmp))
             (tmp / "source.json").write_text(json.dumps(asdict(info)))
         ds = datasets.load_from_disk(str(folder))

@@ -17,7 +17,7 @@ import torch
 from ..config import HeadConfig
 from ..errors import InputError, MissingInput
 from ..head import DraftHead
-from .common import CONFIG_NAME, read_config, stored_dtype
+from .common import CONFIG_NAME, HEAD_FILES, read_config, stored_dtype
 
 
 class Layout(Protocol):
@@ -88,11 +88,12 @@ def save_head(head: DraftHead, folder: str | Path, extra: dict[str, Any] | None 
     return LAYOUTS["eyas"].save(head, folder, extra)
 
 
-def export_head(source: str | Path, out: str | Path, format: str = "eyas", target=None) -> Path:
+def export_head(source: str | Path, out: str | Path, format: str = "eyas", target=None, force: bool = False) -> Path:
     """Write the head in `source` (a head folder in any layout, or a training checkpoint holding `head/`) as `format`.
 
     Written atomically; weights keep the source's floating-point dtype. `target` (an eyas Target) is checked
     against the head, and needed only for foreign EAGLE-3 heads that do not record their fused layers.
+    An existing `out` is replaced only if it holds a head and nothing else, or with `force`.
     """
     from ..atomic import atomic_folder
 
@@ -101,7 +102,7 @@ def export_head(source: str | Path, out: str | Path, format: str = "eyas", targe
     folder = head_folder(Path(source))
     head = load_head(folder, target)
     head.to(stored_dtype(folder))
-    with atomic_folder(out) as tmp:
+    with atomic_folder(out, HEAD_FILES, force) as tmp:
         LAYOUTS[format].write(head, tmp)
     return Path(out)
 

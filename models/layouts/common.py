@@ -16,6 +16,7 @@ from ..errors import InputError, MissingInput
 
 CONFIG_NAME, WEIGHTS_NAME = "config.json", "model.safetensors"
 LEGACY_WEIGHTS_NAME = "pytorch_model.bin"  # what the EAGLE reference code saves and reads
+HEAD_FILES = (CONFIG_NAME, WEIGHTS_NAME, LEGACY_WEIGHTS_NAME)  # all a head folder holds: what a new head may replace
 # Foreign keys that are the target's borrowed modules, which eyas never stores: dropped on import.
 BORROWED_KEYS = ("embed_tokens.weight", "verifier_norm.weight", "verifier_lm_head.weight")
 

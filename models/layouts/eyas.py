@@ -15,7 +15,7 @@ from ..atomic import atomic_folder
 from ..config import HeadConfig
 from ..errors import InputError, MissingInput
 from . import register
-from .common import CONFIG_NAME, WEIGHTS_NAME
+from .common import CONFIG_NAME, HEAD_FILES, WEIGHTS_NAME
 
 FORMAT_VERSION = 1
 
@@ -45,7 +45,7 @@ class EyasLayout:
         (folder / CONFIG_NAME).write_text(json.dumps(config, indent=2) + "\n")
 
     def save(self, head, folder: str | Path, extra: dict[str, Any] | None = None) -> Path:
-        with atomic_folder(folder) as tmp:
+        with atomic_folder(folder, HEAD_FILES) as tmp:
             self.write(head, tmp, extra)
         return Path(folder)
 
