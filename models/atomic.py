@@ -38,7 +38,7 @@ def _chmod_tree(path: Path) -> None:
     """Give a finished temporary file or folder (and everything in it) the permissions of a normal write."""
     mask = _umask()
     if path.is_dir():
-        for root, dirs, files in os.walk(path):
+        for root, _, files in os.walk(path):
             os.chmod(root, 0o777 & ~mask)
             for name in files:
                 os.chmod(os.path.join(root, name), 0o666 & ~mask)
