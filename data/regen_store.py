@@ -87,7 +87,7 @@ def regenerate_jsonl(target: Target, conversations, out: str | Path, cfg: RegenC
     The first SIGINT/SIGTERM stops the run at the next step: in-flight conversations are dropped,
     the finished ones written (a last, smaller shard), the cache marked readable, and the returned
     stats say stopped_by; rerunning continues with the missing ids. A second signal aborts at once
-    (KeyboardInterrupt; what is on disk stays consistent). The previous handlers are restored.
+    (exit status 130 / 143; what is on disk stays consistent). The previous handlers are restored.
     """
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -45,6 +45,9 @@ def main(argv: list[str] | None = None) -> int:
         # Bad input gets one clear line, not a traceback; bugs still raise.
         print(f"eyas {args.command}: error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C outside the commands that stop gracefully (loading, say)
+        print(f"eyas {args.command}: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

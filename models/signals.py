@@ -1,8 +1,9 @@
 """Graceful stop: the first SIGINT/SIGTERM asks long work to stop at its next safe point.
 
 Shared by training (checkpoint, then exit) and regeneration (write what is finished, then exit).
-A second signal raises KeyboardInterrupt at once; the work must keep what is on disk consistent
-for that case anyway (atomic writes).
+A second signal ends the process at once with the signal's exit status (SystemExit: cleanup handlers and
+`finally` blocks run, no traceback); the work must keep what is on disk consistent for that case anyway
+(atomic writes).
 """
 
 from __future__ import annotations
@@ -35,8 +36,9 @@ class GracefulStop:
         return 128 + self.signum if self.signum is not None else 0
 
     def _handle(self, signum: int, frame) -> None:
-        if self.signum is not None:  # a second signal aborts at once
-            raise KeyboardInterrupt
+        if self.signum is not None:  # a second signal aborts at once, as the signal itself would
+            self.log(f"received {signal.Signals(signum).name} again: aborting now")
+            raise SystemExit(128 + signum)
         self.signum = signum
         self.log(f"received {signal.Signals(signum).name}: {self.action} (send it again to abort at once)")
 
