@@ -22,6 +22,7 @@ from eyas.data.chat_template import TemplateError, render_with_mask
 from eyas.data.hidden_cache import CacheWriter, stored_shards
 from eyas.data.regenerate import Job, RegenConfig, RegenStats, regenerate
 from eyas.models.config import default_fused_layer_ids
+from eyas.models.errors import InputError
 from eyas.models.signals import GracefulStop
 from eyas.models.target import Target
 
@@ -29,19 +30,22 @@ logger = logging.getLogger(__name__)
 
 
 def written_ids(path: Path) -> set[int]:
-    """Ids already in the output; a half-written last line (killed mid-write) is cut off."""
+    """Ids already in the output. A half-written last line (a kill mid-write) is cut off; any other line that is
+    not a conversation eyas wrote is refused naming its line, so no valid row after it is ever dropped."""
     if not path.is_file():
         return set()
     ids, good = set(), 0
     with open(path, "rb") as f:
-        for line in f:
-            try:
-                if not line.endswith(b"\n"):
-                    raise ValueError("unterminated")
-                ids.add(int(json.loads(line)["id"]))
-            except (ValueError, KeyError, TypeError):
-                break
-            good += len(line)
+        lines = f.readlines()
+    for lineno, line in enumerate(lines, 1):
+        if not line.endswith(b"\n") and lineno == len(lines):
+            break  # the one line a kill can leave half-written
+        try:
+            ids.add(int(json.loads(line)["id"]))
+        except (ValueError, KeyError, TypeError) as e:
+            raise InputError(f"{path}:{lineno}: not a conversation line eyas wrote ({type(e).__name__}); fix or "
+                             "remove that line (or choose another --out), then rerun to continue") from None
+        good += len(line)
     if good < path.stat().st_size:
         with open(path, "r+b") as f:
             f.truncate(good)

@@ -261,3 +261,18 @@ def test_too_long_prompts_are_counted_as_skipped():
                        eos_ids=EOS, progress=False, on_done=lambda job: done.__setitem__(job.id, job))
     assert stats.skipped == {"first prompt reaches max_length": too_long} and 0 < too_long < 7
     assert stats.conversations == 7 - too_long == sum(bool(j.out) for j in done.values())
+
+
+def test_a_corrupt_line_in_the_middle_is_refused_not_cut(tmp_path):
+    """Only the last line can be half-written by a kill; a bad line elsewhere is named and nothing is dropped."""
+    from eyas.data.regen_store import written_ids
+
+    out = tmp_path / "out.jsonl"
+    good = [json.dumps({"id": i, "messages": []}) for i in range(3)]
+    out.write_text(good[0] + "\n" + "{garbage\n" + good[1] + "\n" + good[2] + "\n")
+    before = out.read_bytes()
+    with pytest.raises(ValueError, match=r"out.jsonl:2: not a conversation line"):
+        written_ids(out)
+    assert out.read_bytes() == before
+    out.write_text("\n".join(good) + '\n{"id": 3, "mess')  # a kill mid-write: cut, the rest kept
+    assert written_ids(out) == {0, 1, 2} and out.read_text() == "\n".join(good) + "\n"
