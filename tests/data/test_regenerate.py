@@ -241,9 +241,10 @@ def test_a_second_ctrl_c_aborts_at_once(tmp_path):
     ds = datasets.Dataset.from_dict({"messages": conversations(), "problem": [""] * 7})
     handlers = [signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)]
     on_done, seen = at_nth_done(2, lambda: (ctrl_c(), ctrl_c()))
-    with pytest.raises(KeyboardInterrupt):
+    with pytest.raises(SystemExit) as exited:
         regenerate_jsonl(target, ds, tmp_path / "out.jsonl", RegenConfig(max_new_tokens=10), batch_size=3,
                          eos_ids=EOS, progress=False, on_done=on_done)
+    assert exited.value.code == 130  # as a shell reports death by SIGINT
     assert [signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)] == handlers
     assert len((tmp_path / "out.jsonl").read_text().splitlines()) == 2  # nothing after the abort
 
