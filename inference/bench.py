@@ -40,16 +40,28 @@ class Question:
     chat: bool  # True: render through the target's chat template with add_generation_prompt
 
 
+BUILTIN_QUESTIONS = {"mt-bench": "mt-bench.jsonl"}  # name -> file in inference/questions/ (FastChat, Apache-2.0)
+
+
+def builtin_questions(name: str | os.PathLike) -> Path | None:
+    """The file of a question set shipped with eyas, or None if `name` is not one."""
+    if str(name) not in BUILTIN_QUESTIONS:
+        return None
+    return Path(__file__).resolve().parent / "questions" / BUILTIN_QUESTIONS[str(name)]
+
+
 def load_questions(path: str | os.PathLike, limit: int | None = None,
                    per_category: int | None = None) -> list[Question]:
     """MT-bench / Spec-Bench rows (`question_id`, `category`, `turns`) or HumanEval-style rows (`prompt`).
 
-    Only the first turn of a multi-turn question is used; per_category keeps the first N of each category
-    (a quick run that still covers every category), limit the first N kept. Raises ValueError naming the line.
+    `path` is a .jsonl file or the name of a question set shipped with eyas (BUILTIN_QUESTIONS: `mt-bench`, the 80
+    MT-bench questions). Only the first turn of a multi-turn question is used; per_category keeps the first N of
+    each category (a quick run that still covers every category), limit the first N kept. Raises InputError
+    naming the line.
     """
-    path = Path(path)
+    path = builtin_questions(path) or Path(path)
     if not path.is_file():
-        raise MissingInput(f"questions file {path} does not exist")
+        raise MissingInput(f"questions file {path} does not exist (or use a built-in set: {', '.join(BUILTIN_QUESTIONS)})")
     questions: list[Question] = []
     with path.open(encoding="utf-8") as f:
         for lineno, line in enumerate(f, 1):

@@ -31,7 +31,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                        "({question_id, category, turns}: the first turn goes through the target's chat template) "
                        "or HumanEval-style rows ({prompt}: used raw). Writes REPORT.json and REPORT.png beside it.")
     _add_model_options(p)
-    p.add_argument("--questions", required=True, help="questions .jsonl (e.g. MT-bench question.jsonl)")
+    p.add_argument("--questions", default="mt-bench",
+                   help="questions: `mt-bench` (the 80 MT-bench questions, shipped with eyas; default) or a .jsonl file")
     p.add_argument("--out", required=True, help="report .json path; the plot goes beside it as .png")
     _add_sampling_options(p)
     p.add_argument("--seed", type=int, default=0, help="sampling seed; question i uses seed+i on both sides")
@@ -51,8 +52,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                        "hidden states captured while generating), train the demo EAGLE-3 head for "
                        "SmolLM2-135M-Instruct on them (configs/smollm2-135m-eagle3.yaml), export it, run `eyas bench` on MT-bench and print "
                        "the table. Each step is the real command (printed as it runs); rerunning resumes every step.")
-    p.add_argument("--questions", default=None,
-                   help="MT-bench question.jsonl (FastChat's fastchat/llm_judge/data/mt_bench/question.jsonl)")
+    p.add_argument("--questions", default="mt-bench",
+                   help="bench questions: `mt-bench` (shipped with eyas; default) or a .jsonl file")
     p.add_argument("--config", default="configs/smollm2-135m-eagle3.yaml", help="training run YAML")
     p.add_argument("--head-out", default="heads/smollm2-135m-eagle3", help="where the exported head goes")
     p.add_argument("--report", default=None, help="bench report path (default: <run output_dir>/bench/report.json)")

@@ -18,8 +18,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
-QUESTIONS_HINT = ("pass --questions: an MT-bench question.jsonl (FastChat's "
-                  "fastchat/llm_judge/data/mt_bench/question.jsonl, 80 rows of question_id, category, turns)")
 
 
 @dataclass(frozen=True)
@@ -36,7 +34,7 @@ class SelfDistill:
 
 
 def run_main_job(
-    config: str | os.PathLike, questions: str | os.PathLike | None, head_out: str | os.PathLike,
+    config: str | os.PathLike, questions: str | os.PathLike, head_out: str | os.PathLike,
     report: str | os.PathLike | None = None, dtype: str = "fp32", limit: int | None = None,
     per_category: int | None = None, max_new_tokens: int = 256, overrides: Sequence[str] = (),
     distill: SelfDistill = SelfDistill(),
@@ -46,8 +44,6 @@ def run_main_job(
 
     from .bench import load_questions
 
-    if questions is None:
-        raise ValueError(QUESTIONS_HINT)
     load_questions(questions, limit, per_category)  # a bad questions file fails now, not after training
     config = _find_config(config)
     run = load_config(config, list(overrides))
