@@ -36,7 +36,6 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--out", required=True, help="report .json path; the plot goes beside it as .png")
     _add_sampling_options(p)
     p.add_argument("--seed", type=int, default=0, help="sampling seed; question i uses seed+i on both sides")
-    p.add_argument("--device", default="cpu", help="torch device for target and head, e.g. cuda (default cpu)")
     p.add_argument("--limit", type=int, default=None, help="only the first N questions")
     p.add_argument("--per-category", type=int, default=None, metavar="N",
                    help="only the first N questions of each category (MT-bench: --per-category 1 = 8 questions)")
@@ -85,9 +84,19 @@ def _add_generation_options(p: argparse.ArgumentParser) -> None:
 def _add_model_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target", required=True, help="target model: local HF folder, .gguf file, hub id or `smollm2-135m`")
     p.add_argument("--head", required=True, help="draft head folder (eyas, SGLang, speculators or EAGLE-1 layout)")
-    p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"],
-                   help="target and head dtype (default fp32, where greedy output is exactly the target's)")
+    p.add_argument("--device", default=None, help="where target and head run: cpu, cuda, cuda:N, or auto (the target "
+                   "split over every visible GPU); default cuda when a GPU is visible, else cpu")
+    p.add_argument("--dtype", default="auto", choices=["auto", "fp32", "bf16"],
+                   help="target and head dtype (default auto: bf16 on a GPU, fp32 on a CPU, where greedy output is "
+                   "exactly the target's)")
     add_tree_options(p)
+
+
+def _placement(args: argparse.Namespace) -> None:
+    """Fill in --device and --dtype defaults (the dtype follows the device)."""
+    from eyas.models.loading import placement
+
+    args.device, args.dtype = placement(args.device, args.dtype)
 
 
 def _add_sampling_options(p: argparse.ArgumentParser) -> None:
@@ -101,7 +110,9 @@ def _add_sampling_options(p: argparse.ArgumentParser) -> None:
 def _load_generator(args: argparse.Namespace):
     from eyas.inference import SpeculativeGenerator
 
-    return SpeculativeGenerator.from_pretrained(args.target, args.head, dtype=args.dtype, **tree_options(args))
+    _placement(args)
+    return SpeculativeGenerator.from_pretrained(args.target, args.head, dtype=args.dtype, device=args.device,
+                                                **tree_options(args))
 
 
 def _sampling_kwargs(args: argparse.Namespace) -> dict:
@@ -205,6 +216,7 @@ def _bench(args: argparse.Namespace) -> int:
 
     from .bench import format_table, run_bench
 
+    _placement(args)
     report = run_bench(args.target, args.head, args.questions, max_new_tokens=args.max_new_tokens,
                        # the bench states its settings for every side: greedy unless asked (not generation_config)
                        temperature=args.temperature or 0.0, top_p=args.top_p or 1.0, top_k=args.top_k or 0,

