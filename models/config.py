@@ -23,7 +23,7 @@ class TargetIdentity:
     name_or_path: str
     hidden_size: int
     vocab_size: int
-    num_hidden_layers: int
+    num_hidden_layers: int  # 0 when unknown (foreign layouts do not record it)
     # sha256 over the tokenizer's (token, id) pairs; "" when unknown (foreign formats).
     tokenizer_fingerprint: str = ""
 
@@ -55,6 +55,9 @@ class HeadConfig:
     # for every target, sliding-window ones included (the head is one layer: seeing the whole context is
     # cheap and keeps long-range evidence); released heads that carry a window run with it.
     sliding_window: int | None = None
+    # EAGLE-3 first layer: the residual is hidden_norm(hidden) instead of the raw hidden (speculators'
+    # `norm_before_residual`, which most released RedHatAI heads were trained with).
+    norm_before_residual: bool = False
     target: TargetIdentity | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
@@ -75,16 +78,22 @@ class HeadConfig:
             )
         if self.head_type == "eagle1":
             if self.draft_vocab_size != self.vocab_size:
-                raise ValueError("an eagle1 head predicts through the target's lm_head: draft_vocab_size must equal vocab_size")
+                raise ValueError("an eagle1 head predicts through the target's lm_head: "
+                                 "draft_vocab_size must equal vocab_size")
             if self.fused_layer_ids:
                 raise ValueError("an eagle1 head reads the final hidden state: fused_layer_ids must be empty")
+            if self.norm_before_residual:
+                raise ValueError("norm_before_residual is an EAGLE-3 first-layer variant; "
+                                 "an eagle1 head has no hidden_norm")
         elif not self.fused_layer_ids:
             raise ValueError("an eagle3 head needs fused_layer_ids (e.g. [2, N//2, N-3])")
         if self.target is not None:
             for name in ("hidden_size", "vocab_size"):
                 if getattr(self.target, name) != getattr(self, name):
-                    raise ValueError(f"head {name} {getattr(self, name)} differs from its target's {getattr(self.target, name)}")
-            bad = [i for i in self.fused_layer_ids if not 0 <= i <= self.target.num_hidden_layers]
+                    raise ValueError(f"head {name} {getattr(self, name)} differs from its target's "
+                                     f"{getattr(self.target, name)}")
+            n = self.target.num_hidden_layers
+            bad = [i for i in self.fused_layer_ids if i < 0 or (n and i > n)]
             if bad:
                 raise ValueError(
                     f"fused_layer_ids {bad} out of range for a {self.target.num_hidden_layers}-layer target"
@@ -129,7 +138,8 @@ def check_head_matches(config: HeadConfig, target) -> None:
     ]:
         if head_value != target_value:
             raise HeadTargetMismatch(
-                f"{name} mismatch: the head was trained for {head_value}, target {target.name_or_path!r} has {target_value}"
+                f"{name} mismatch: the head was trained for {head_value}, "
+                f"target {target.name_or_path!r} has {target_value}"
             )
     if config.fused_layer_ids and max(config.fused_layer_ids) > target.num_layers:
         raise HeadTargetMismatch(
@@ -141,6 +151,7 @@ def check_head_matches(config: HeadConfig, target) -> None:
         if current and current != trained.tokenizer_fingerprint:
             raise HeadTargetMismatch(
                 f"tokenizer mismatch: the head was trained for {trained.name_or_path!r} whose tokenizer vocabulary "
-                f"differs from that of target {target.name_or_path!r} (fingerprints {trained.tokenizer_fingerprint[:19]}… "
+                f"differs from that of target {target.name_or_path!r} "
+                f"(fingerprints {trained.tokenizer_fingerprint[:19]}… "
                 f"vs {current[:19]}…)"
             )

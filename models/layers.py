@@ -111,14 +111,16 @@ class DecoderLayer(nn.Module):
     """One pre-norm decoder layer.
 
     `fuse_embedding` (EAGLE-3, first layer): attention reads [input_layernorm(emb); hidden_norm(x)]
-    and the residual is x. `input_norm=False` (EAGLE-1, first layer) skips the input norm because
-    the fc output it receives is not a residual stream, as in the EAGLE-1 reference.
+    and the residual is x, or hidden_norm(x) with `config.norm_before_residual`. `input_norm=False`
+    (EAGLE-1, first layer) skips the input norm because the fc output it receives is not a residual
+    stream, as in the EAGLE-1 reference.
     """
 
     def __init__(self, config: HeadConfig, fuse_embedding: bool = False, input_norm: bool = True) -> None:
         super().__init__()
         h = config.hidden_size
         self.fuse_embedding = fuse_embedding
+        self.norm_before_residual = fuse_embedding and config.norm_before_residual
         self.self_attn = Attention(config, 2 * h if fuse_embedding else h)
         self.input_layernorm = RMSNorm(h, config.rms_norm_eps) if (input_norm or fuse_embedding) else None
         self.hidden_norm = RMSNorm(h, config.rms_norm_eps) if fuse_embedding else None
@@ -135,7 +137,10 @@ class DecoderLayer(nn.Module):
         emb: torch.Tensor | None = None,
     ) -> torch.Tensor:
         if self.fuse_embedding:
-            attn_in = torch.cat([self.input_layernorm(emb), self.hidden_norm(x)], dim=-1)
+            normed = self.hidden_norm(x)
+            attn_in = torch.cat([self.input_layernorm(emb), normed], dim=-1)
+            if self.norm_before_residual:
+                x = normed
         else:
             attn_in = self.input_layernorm(x) if self.input_layernorm is not None else x
         x = x + self.self_attn(attn_in, rope, mask, cache, layer_idx)

@@ -1,10 +1,12 @@
 """Head layouts: how a draft head is stored on disk, for eyas and for the runtimes that serve heads.
 
 Each layout is a small module of its own, registered here by name: `eyas` (the native format), `sglang`
-(SGLang / the EAGLE-3 reference), `speculators` (vLLM) and `eagle1` (the EAGLE-1 reference). A layout
-knows how to recognise its config.json (`detect`), read a head (`read`: config + weights in eyas naming)
-and write one (`write`). Every layout loads directly (`load_head`, `--head`) and any head converts to any
-layout that can hold it (`export_head`); a layout that cannot hold a head exactly refuses it, naming why.
+(SGLang / SpecForge, and the EAGLE-3 reference on import), `speculators` (vLLM) and `eagle` (the EAGLE-1
+reference). A layout knows how to recognise its config.json (`detect`), read a head (`read`: config +
+weights in eyas naming) and write one (`write`) so that its runtime computes what the head computes. Every
+layout loads directly (`load_head`, `--head`) and any head converts to any layout that can hold it
+(`export_head`); a layout that cannot hold a head exactly refuses it, naming why. docs/runtimes.md says which
+runtime version reads each layout.
 """
 
 from __future__ import annotations
@@ -31,8 +33,9 @@ class Layout(Protocol):
         """(HeadConfig, state dict in eyas naming) of the head in `folder`; `target` (optional) fills defaults."""
         ...
 
-    def write(self, head: DraftHead, folder: Path) -> None:
-        """Write `head` into the (empty, temporary) folder, or raise naming what this layout cannot hold."""
+    def write(self, head: DraftHead, folder: Path, target=None) -> None:
+        """Write `head` into the (empty, temporary) folder, or raise naming what this layout cannot hold.
+        `target` (optional eyas Target) supplies what a runtime needs beyond the head (layer count, embedding)."""
         ...
 
 
@@ -57,8 +60,8 @@ def detect_layout(raw: dict[str, Any]) -> str:
     archs = raw.get("architectures") or []
     raise InputError(
         f"unknown head layout (architectures={archs}): expected an eyas head (eyas_format), a speculators head "
-        "(speculators_model_type), an SGLang / EAGLE-3 reference head (LlamaForCausalLMEagle3, or draft_vocab_size with "
-        "midlayer weights) or an EAGLE-1 reference head (LlamaForCausalLM)"
+        "(speculators_model_type), an SGLang / EAGLE-3 reference head (LlamaForCausalLMEagle3, or LlamaForCausalLM "
+        "with draft_vocab_size) or an EAGLE-1 reference head (LlamaForCausalLM)"
     )
 
 
@@ -103,7 +106,7 @@ def export_head(source: str | Path, out: str | Path, format: str = "eyas", targe
     head = load_head(folder, target)
     head.to(stored_dtype(folder))
     with atomic_folder(out, HEAD_FILES, force) as tmp:
-        LAYOUTS[format].write(head, tmp)
+        LAYOUTS[format].write(head, tmp, target)
     return Path(out)
 
 
@@ -113,4 +116,5 @@ def head_folder(source: Path) -> Path:
         return source
     if (source / "head" / CONFIG_NAME).is_file():  # a training checkpoint: the trainer writes the head there
         return source / "head"
-    raise MissingInput(f"{source} is neither a head folder ({CONFIG_NAME}) nor a training checkpoint (head/{CONFIG_NAME})")
+    raise MissingInput(f"{source} is neither a head folder ({CONFIG_NAME}) "
+                       f"nor a training checkpoint (head/{CONFIG_NAME})")

@@ -51,6 +51,11 @@ def stored_dtype(folder: Path) -> torch.dtype:
     return read_weights(folder)["fc.weight"].dtype
 
 
+def target_architectures(target) -> list[str]:
+    """The target's model classes as its config.json names them (a model built in-process has only its class)."""
+    return list(target.model.config.architectures or [type(target.model).__name__])
+
+
 def required(d: dict[str, Any], key: str, where: str) -> Any:
     if d.get(key) is None:
         raise InputError(f"{where}: required field {key!r} is missing")
@@ -69,9 +74,12 @@ def shape_from_llama(d: dict[str, Any], where: str) -> dict[str, Any]:
     if d.get("hidden_act", "silu") != "silu":
         raise InputError(f"{where}: hidden_act {d['hidden_act']!r} is not supported (eyas heads use silu)")
     if d.get("mlp_bias") or d.get("attention_bias"):
-        raise InputError(f"{where}: mlp_bias/attention_bias heads are not supported (Llama's attention_bias also biases o_proj)")
+        raise InputError(f"{where}: mlp_bias/attention_bias heads are not supported "
+                         "(Llama's attention_bias also biases o_proj)")
     rope = d.get("rope_parameters") or {}
-    scaling = d.get("rope_scaling") or ({"rope_type": rope["rope_type"]} if rope.get("rope_type", "default") != "default" else None)
+    scaling = d.get("rope_scaling")
+    if not scaling and rope.get("rope_type", "default") != "default":
+        scaling = {"rope_type": rope["rope_type"]}
     if scaling:
         raise InputError(f"{where}: rope scaling {scaling} is not supported (eyas heads use plain RoPE)")
     heads = int(required(d, "num_attention_heads", where))
@@ -93,7 +101,8 @@ def shape_from_llama(d: dict[str, Any], where: str) -> dict[str, Any]:
 def llama_fields(c: HeadConfig, dtype: torch.dtype) -> dict[str, Any]:
     """The Llama-style decoder fields of config `c` (what every foreign layout's config holds)."""
     if c.attention_bias:
-        raise InputError("a head with q/k/v biases has no Llama-config equivalent (Llama's attention_bias also biases o_proj)")
+        raise InputError("a head with q/k/v biases has no Llama-config equivalent "
+                         "(Llama's attention_bias also biases o_proj)")
     return {
         "model_type": "llama", "hidden_size": c.hidden_size, "intermediate_size": c.intermediate_size,
         "num_attention_heads": c.num_attention_heads, "num_key_value_heads": c.num_key_value_heads,
@@ -116,7 +125,8 @@ def check_state(state: dict[str, torch.Tensor], config: HeadConfig, folder: Path
     if missing or unexpected:
         raise InputError(f"{folder}: weights do not fit a {layout} {config.head_type} head (missing {missing}, "
                          f"unexpected {unexpected})")
-    wrong = [f"{rename(k, pairs)} {tuple(state[k].shape)} != {tuple(s)}" for k, s in expected.items() if state[k].shape != s]
+    wrong = [f"{rename(k, pairs)} {tuple(state[k].shape)} != {tuple(s)}"
+             for k, s in expected.items() if state[k].shape != s]
     if wrong:
         raise InputError(f"{folder}: weight shapes do not match its config: {wrong}")
 
@@ -125,7 +135,8 @@ def vocab_maps(state: dict[str, torch.Tensor], config: HeadConfig, folder: Path)
     """Fill an EAGLE-3 state's optional d2t / t2d (identity when the draft vocab is the full vocab)."""
     if "d2t" not in state:
         if config.draft_vocab_size != config.vocab_size:
-            raise InputError(f"{folder}: the draft vocab ({config.draft_vocab_size}) is reduced but the weights have no d2t map")
+            raise InputError(f"{folder}: the draft vocab ({config.draft_vocab_size}) is reduced "
+                             "but the weights have no d2t map")
         state["d2t"] = torch.zeros(config.draft_vocab_size, dtype=torch.long)
     if "t2d" not in state:  # vLLM ignores t2d; rebuild it from d2t
         state["t2d"] = torch.zeros(config.vocab_size, dtype=torch.bool)

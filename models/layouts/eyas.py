@@ -28,7 +28,8 @@ class EyasLayout:
 
     def read(self, folder: Path, raw: dict[str, Any], target) -> tuple[HeadConfig, dict[str, torch.Tensor]]:
         if not isinstance(raw["eyas_format"], int) or raw["eyas_format"] > FORMAT_VERSION:
-            raise InputError(f"{folder} uses head format {raw['eyas_format']!r}; this eyas reads up to {FORMAT_VERSION}")
+            raise InputError(f"{folder} uses head format {raw['eyas_format']!r}; "
+                             f"this eyas reads up to {FORMAT_VERSION}")
         try:
             config = HeadConfig.from_dict({k: v for k, v in raw.items() if k not in ("eyas_format", "extra")})
         except (TypeError, ValueError) as e:
@@ -38,7 +39,7 @@ class EyasLayout:
             raise MissingInput(f"{folder} has {CONFIG_NAME} but no {WEIGHTS_NAME}")
         return config, load_file(str(weights))
 
-    def write(self, head, folder: Path, extra: dict[str, Any] | None = None) -> None:
+    def write(self, head, folder: Path, target=None, extra: dict[str, Any] | None = None) -> None:
         config = {"eyas_format": FORMAT_VERSION, **head.config.to_dict(), **({"extra": extra} if extra else {})}
         state = {k: v.detach().contiguous().cpu() for k, v in head.state_dict().items()}
         save_file(state, str(folder / WEIGHTS_NAME), metadata={"format": "pt", "eyas_format": str(FORMAT_VERSION)})
@@ -46,7 +47,7 @@ class EyasLayout:
 
     def save(self, head, folder: str | Path, extra: dict[str, Any] | None = None) -> Path:
         with atomic_folder(folder, HEAD_FILES) as tmp:
-            self.write(head, tmp, extra)
+            self.write(head, tmp, extra=extra)
         return Path(folder)
 
 

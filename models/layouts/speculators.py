@@ -1,9 +1,15 @@
 """The speculators library's `Eagle3Speculator` layout, which vLLM loads: `speculators_config` with the
-verifier, `transformer_layer_config` (Llama), aux layer ids as HF hidden_states indices."""
+verifier, `transformer_layer_config` (Llama), aux layer ids as HF hidden_states indices.
+
+Checked against speculators 0.9.0 (`Eagle3SpeculatorConfig`, `Eagle3DraftModel`) and vLLM 0.32
+(`Eagle3LlamaForCausalLM`): vLLM builds the fc for three aux layers, has no d2t parameter when the draft
+vocab is the full vocab, honours `norm_before_residual` and per-layer `layer_types` windows."""
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -12,6 +18,7 @@ from safetensors.torch import save_file
 
 from ..config import HeadConfig
 from ..errors import InputError
+from ..loading import ALIASES, cache_home
 from . import register
 from .common import (
     BORROWED_KEYS,
@@ -22,14 +29,28 @@ from .common import (
     read_weights,
     required,
     shape_from_llama,
+    target_architectures,
     vocab_maps,
 )
-from .eagle3_foreign import check_target_width, foreign_ids, fused_from_foreign, identity, where
+from .eagle3_foreign import (
+    check_target_width,
+    fused_from_foreign,
+    identity,
+    runtime_state,
+    where,
+    window_fields,
+    window_from_foreign,
+)
+
+log = logging.getLogger(__name__)
 
 LAYER_ID_OFFSET = 0  # foreign aux id = eyas fused id (eagle3_foreign)
+FIRST_CAPTURABLE = 0  # vLLM captures hidden_states[0] (the embedding output) too
 # speculators' GreedyTokenProposalConfig default; the chain length vLLM proposes unless told otherwise.
 SPECULATIVE_TOKENS = 5
-SPECULATORS_VERSION = "0.3.0"
+# The speculators release whose config this layout follows; the installed one is recorded when present.
+SPECULATORS_VERSION = "0.9.0"
+UNSUPPORTED_VARIANTS = ("norm_before_fc", "fc_norm", "norm_output")
 
 
 class SpeculatorsLayout:
@@ -39,7 +60,8 @@ class SpeculatorsLayout:
         if "speculators_model_type" not in raw:
             return False
         if raw["speculators_model_type"] != "eagle3":
-            raise InputError(f"speculators model type {raw['speculators_model_type']!r} is not supported; eyas reads eagle3")
+            raise InputError(f"speculators model type {raw['speculators_model_type']!r} is not supported; "
+                             "eyas reads eagle3")
         return True
 
     def read(self, folder: Path, raw: dict[str, Any], target) -> tuple[HeadConfig, dict[str, torch.Tensor]]:
@@ -54,7 +76,7 @@ class SpeculatorsLayout:
         if llama.get("model_type") != "llama":  # speculators builds other decoder layers (e.g. qwen3's q/k norms)
             raise InputError(f"{w}: transformer_layer_config model_type {llama.get('model_type')!r} is not supported; "
                              "eyas heads use llama layers")
-        variants = [k for k in ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_output") if raw.get(k)]
+        variants = [k for k in UNSUPPORTED_VARIANTS if raw.get(k)]
         if variants:
             raise InputError(f"{w}: EAGLE-3 variants {variants} are not supported by eyas heads")
         shape = shape_from_llama(llama, w)
@@ -62,7 +84,9 @@ class SpeculatorsLayout:
         fused = fused_from_foreign(raw.get("eagle_aux_hidden_state_layer_ids"), LAYER_ID_OFFSET, target, w)
         verifier = (spec.get("verifier") or {}).get("name_or_path") or ""
         config = HeadConfig(head_type="eagle3", draft_vocab_size=int(required(raw, "draft_vocab_size", w)),
-                            fused_layer_ids=fused, target=identity(verifier, shape, fused), **shape)
+                            fused_layer_ids=fused, target=identity(verifier, shape),
+                            norm_before_residual=bool(raw["norm_before_residual"]),
+                            sliding_window=window_from_foreign(llama, shape["num_layers"], w), **shape)
         foreign = read_weights(folder)
         if "fc.weight" not in foreign:
             raise InputError(f"{folder}: no fc.weight among its weights, so it is not an EAGLE draft head")
@@ -71,34 +95,62 @@ class SpeculatorsLayout:
         check_state(state, config, folder, self.name, [])
         return config, state
 
-    def write(self, head, folder: Path) -> None:
+    def write(self, head, folder: Path, target=None) -> None:
         c = head.config
         if c.head_type != "eagle3":
             raise InputError(f"the speculators layout holds eagle3 heads only; this head is {c.head_type}")
-        llama = llama_fields(c, head.fc.weight.dtype)
-        verifier = c.target.name_or_path if c.target is not None else None
+        ids, state = runtime_state(head, target, self.name, LAYER_ID_OFFSET, FIRST_CAPTURABLE, [])
+        llama = {**llama_fields(c, head.fc.weight.dtype), **window_fields(c)}
         config = {
             "speculators_model_type": "eagle3",
             "architectures": ["Eagle3Speculator"],
-            "speculators_version": SPECULATORS_VERSION,
+            "speculators_version": speculators_version(),
             "speculators_config": {
                 "algorithm": "eagle3",
                 "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": SPECULATIVE_TOKENS,
                                       "verifier_accept_k": 1, "accept_tolerance": 0.0}],
                 "default_proposal_method": "greedy",
-                # eyas does not record the target's architecture class; speculators only uses it to compare verifiers.
-                "verifier": {"name_or_path": verifier, "architectures": []},
+                "verifier": verifier(c, target),
             },
             "transformer_layer_config": llama,
             "draft_vocab_size": c.draft_vocab_size,
-            "norm_before_residual": False,  # eyas keeps the un-normed hidden as the residual
+            "norm_before_residual": c.norm_before_residual,
             "target_hidden_size": c.hidden_size,
-            "eagle_aux_hidden_state_layer_ids": foreign_ids(c, LAYER_ID_OFFSET, self.name),
+            "eagle_aux_hidden_state_layer_ids": ids,
             "torch_dtype": llama["torch_dtype"],
         }
-        state = {k: v.detach().contiguous().cpu() for k, v in head.state_dict().items()}
         save_file(state, str(folder / WEIGHTS_NAME), metadata={"format": "pt"})
         (folder / CONFIG_NAME).write_text(json.dumps(config, indent=2) + "\n")
+
+
+def speculators_version() -> str:
+    try:
+        return importlib.metadata.version("speculators")
+    except importlib.metadata.PackageNotFoundError:
+        return SPECULATORS_VERSION
+
+
+def verifier(c: HeadConfig, target) -> dict[str, Any]:
+    """speculators' verifier block: a hub id or path the library can load (an eyas alias becomes the hub id of
+    the model it packages), and the target's architectures (from `target`, else from a local config.json)."""
+    name = target.name_or_path if target is not None else (c.target.name_or_path if c.target is not None else "")
+    archs = target_architectures(target) if target is not None else local_architectures(name)
+    if not name or not archs:
+        log.warning("the speculators verifier is incomplete (name_or_path=%r, architectures=%s): pass --target to "
+                    "export so speculators can load the verifier", name, archs)
+    if name in ALIASES:
+        return {"name_or_path": ALIASES[name][2], "architectures": archs}
+    path = Path(name).expanduser()
+    return {"name_or_path": str(path.resolve()) if name and path.exists() else name, "architectures": archs}
+
+
+def local_architectures(name: str) -> list[str]:
+    """`architectures` of a target's config.json when it is on this machine (an alias's converted folder or a path)."""
+    folder = cache_home() / "targets" / name if name in ALIASES else Path(name).expanduser()
+    try:
+        return list(json.loads((folder / CONFIG_NAME).read_text()).get("architectures") or [])
+    except (OSError, ValueError):
+        return []
 
 
 register(SpeculatorsLayout())

@@ -89,3 +89,34 @@ def test_bad_config_errors():
         head_config_for(target, "eagle3", draft_vocab_size=10_000)
     with pytest.raises(ValueError, match="config.json"):
         load_head("/nonexistent/head")
+
+
+@pytest.mark.parametrize("norm_before_residual,window", [(False, None), (True, None), (True, 3)])
+def test_drafting_through_the_cache_matches_one_masked_block(norm_before_residual, window):
+    """Token by token through the KV cache (the head's own window applied there) == one block under an explicit
+    causal (and windowed) mask, for the norm_before_residual variant too."""
+    import dataclasses
+
+    from eyas.models.masks import after_history
+
+    target = tiny_target("llama", num_layers=8)
+    config = dataclasses.replace(head_config_for(target, "eagle3", draft_vocab_size=100),
+                                 norm_before_residual=norm_before_residual, sliding_window=window)
+    torch.manual_seed(2)
+    head = DraftHead(config, target)
+    with torch.no_grad():
+        for p in head.parameters():
+            p.add_(torch.randn_like(p) * 0.1)
+    ids = torch.randint(4, 300, (1, 7), generator=torch.Generator().manual_seed(0))
+    hidden = head.fuse(target(ids, layer_ids=config.fused_layer_ids).features)
+    pos = torch.arange(7)[None]
+    q, k = pos[0][:, None], pos[0][None, :]
+    allowed = (k <= q) & ((q - k < window) if window else True)
+    block = head(ids, hidden, pos, allowed[None]).logits
+    cache = head.new_cache(1, 16)
+    steps = []
+    for t in range(7):
+        mask = after_history(cache.lengths, torch.ones(1, 1, 1, dtype=torch.bool), cache.width + 1)
+        steps.append(head(ids[:, t:t + 1], hidden[:, t:t + 1], pos[:, t:t + 1], mask, cache).logits)
+        cache.commit([1])
+    torch.testing.assert_close(torch.cat(steps, dim=1), block, rtol=1e-5, atol=1e-5)
