@@ -43,8 +43,12 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "by `eyas data prepare --source`. Resumable: rerun the same command after a kill. Ctrl-C (or "
                         "SIGTERM) stops at the next step, keeps every finished conversation (the cache stays "
                         "readable) and exits with 130 (143); a second Ctrl-C aborts at once. A larger --limit "
-                        "later extends the output and the cache.")
-    r.add_argument("--target", required=True, help="target spec")
+                        "later extends the output and the cache. With --server, the answers come from a serving "
+                        "engine (vLLM, SGLang, TGI, llama.cpp's server: any OpenAI-compatible API) instead; only the "
+                        "target's tokenizer is loaded, and hidden states then come from `eyas data cache-hidden` "
+                        "or online training.")
+    r.add_argument("--target", required=True, help="target spec (with --server: the served model's folder or hub "
+                   "id, for its tokenizer and chat template)")
     r.add_argument("--source", default="sharegpt", help=SOURCE_HELP)
     r.add_argument("--fields", default=None, help=FIELDS_HELP)
     r.add_argument("--out", required=True, help="output .jsonl (appended to; existing ids are skipped)")
@@ -54,7 +58,20 @@ def register(sub: argparse._SubParsersAction) -> None:
     r.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     r.add_argument("--top-p", type=float, default=1.0)
     r.add_argument("--seed", type=int, default=0)
-    r.add_argument("--batch-size", type=int, default=16, help="concurrent generations (default: 16)")
+    r.add_argument("--batch-size", type=int, default=16, help="concurrent generations (default: 16); with "
+                   "--server, requests in flight")
+    r.add_argument("--server", default=None, metavar="URL",
+                   help="generate through an OpenAI-compatible server at URL (e.g. http://localhost:8000/v1); "
+                   "an API key, if the server wants one, is read from OPENAI_API_KEY")
+    r.add_argument("--server-model", default=None, metavar="NAME",
+                   help="served model name (default: the first one the server lists)")
+    r.add_argument("--server-api", choices=["completions", "chat"], default="completions",
+                   help="completions (default): eyas renders the chat template and sends token ids, so the server "
+                   "sees exactly eyas's prompt (vLLM, SGLang, llama.cpp); chat: messages, rendered by the server's "
+                   "own template (TGI)")
+    r.add_argument("--retries", type=int, default=5, help="with --server: retries per request on connection "
+                   "errors, 408, 429 and 5xx, with exponential backoff (default: 5)")
+    r.add_argument("--timeout", type=float, default=600.0, help="with --server: seconds per request (default: 600)")
     r.add_argument("--limit", type=int, default=None, help="only the first N conversations")
     r.add_argument("--dtype", default="fp32", help="target dtype: fp32 (default; on CPUs without native bf16 "
                    "batched bf16 is slow), bf16, fp16")
@@ -193,16 +210,27 @@ def _regenerate(args: argparse.Namespace) -> int:
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    target = Target.load(args.target, dtype=args.dtype)
+    cfg = RegenConfig(args.max_new_tokens, args.temperature, args.top_p, args.seed, args.max_length, args.max_turns)
+    cache = args.cache_hidden is not None
+    if args.server:
+        import os
+
+        from eyas.data.regen_server import ServerConfig, ServerEngine, target_eos_ids
+
+        tok = _tokenizer(args.target)
+        server = ServerConfig(args.server, args.server_model, args.server_api, args.batch_size, args.retries,
+                              args.timeout, os.environ.get("OPENAI_API_KEY"))
+        target, engine = None, ServerEngine(server, tok, cfg, target_eos_ids(args.target, tok))
+    else:
+        target, engine = Target.load(args.target, dtype=args.dtype), None
     convs, info = load_conversations(args.source, args.fields)
     print(info)
     if args.limit is not None:
         convs = convs.select(range(min(args.limit, len(convs))))
-    cfg = RegenConfig(args.max_new_tokens, args.temperature, args.top_p, args.seed, args.max_length, args.max_turns)
-    cache = args.cache_hidden is not None
     stats = regenerate_jsonl(target, convs, args.out, cfg, args.batch_size,
-                             layer_ids=_cache_layers(args, target) if cache else None, cache_hidden=args.cache_hidden,
-                             cache_dtype=args.cache_dtype, shard_examples=args.shard_examples)
+                             layer_ids=_cache_layers(args, target) if cache and target else None,
+                             cache_hidden=args.cache_hidden, cache_dtype=args.cache_dtype,
+                             shard_examples=args.shard_examples, engine=engine)
     skipped = "".join(f"; skipped {n} ({why})" for why, n in sorted(stats.skipped.items()))
     print(f"regenerated {stats.conversations} conversations, {stats.useful_tokens} tokens in {stats.seconds:.1f} s: "
           f"{stats.tokens_per_s:.1f} useful tokens/s{skipped} -> {args.out} ({stats.stored} conversations)")

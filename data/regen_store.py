@@ -70,10 +70,16 @@ def training_example(job: Job, tokenizer, eos_ids: Sequence[int] | None) -> tupl
     return ids, [0] * len(job.prompt) + [1] * len(job.generated), False
 
 
-def regenerate_jsonl(target: Target, conversations, out: str | Path, cfg: RegenConfig, batch_size: int = 8,
+# Generates (id, messages) conversations, calling on_done(job) for each finished one and checking stop between
+# steps: `regenerate` over a Target, or a serving engine (regen_server.ServerEngine).
+Engine = Callable[[list[tuple[int, list[dict]]], Callable[[Job], None], GracefulStop], RegenStats]
+
+
+def regenerate_jsonl(target: Target | None, conversations, out: str | Path, cfg: RegenConfig, batch_size: int = 8,
                      layer_ids: Sequence[int] | None = None, on_done: Callable[[Job], None] = lambda job: None,
-                     eos_ids: Sequence[int] | None = None, progress: bool = True, cache_hidden: str | Path | None = None,
-                     cache_dtype: str = "bf16", shard_examples: int = 128) -> RegenStats:
+                     eos_ids: Sequence[int] | None = None, progress: bool = True,
+                     cache_hidden: str | Path | None = None, cache_dtype: str = "bf16", shard_examples: int = 128,
+                     engine: Engine | None = None) -> RegenStats:
     """Regenerate a canonical conversations dataset (see sources.py) into `out` (JSONL), resumably.
 
     Row ids are the dataset's row indices, so rerunning on the same source continues where a
@@ -92,7 +98,12 @@ def regenerate_jsonl(target: Target, conversations, out: str | Path, cfg: RegenC
     the finished ones written (a last, smaller shard), the cache marked readable, and the returned
     stats say stopped_by; rerunning continues with the missing ids. A second signal aborts at once
     (exit status 130 / 143; what is on disk stays consistent). The previous handlers are restored.
+
+    engine: generate with it instead of `target` (None then); it captures no states, so no cache_hidden.
     """
+    if engine is not None and cache_hidden is not None:
+        raise InputError("a serving engine returns text, not target states: regenerate without --cache-hidden, "
+                         "then run `eyas data cache-hidden` (or train with online hidden states)")
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     done = written_ids(out)
@@ -157,7 +168,10 @@ def regenerate_jsonl(target: Target, conversations, out: str | Path, cfg: RegenC
             on_done(job)
 
         with GracefulStop(tqdm.write, "writing the finished conversations, then stopping") as stop:
-            stats = regenerate(target, todo, cfg, batch_size, layer_ids, write, eos_ids, progress, stop=stop)
+            if engine is not None:
+                stats = engine(todo, write, stop)
+            else:
+                stats = regenerate(target, todo, cfg, batch_size, layer_ids, write, eos_ids, progress, stop=stop)
             if writer is not None:
                 if buffer:
                     flush_shard()

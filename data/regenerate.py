@@ -97,6 +97,28 @@ def next_prompt(job: Job, tokenizer, cfg: RegenConfig) -> list[int] | None:
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
+def finish_turn(job: Job, answer: str, tokens: int, cut: bool, stats: RegenStats) -> None:
+    """Record a generated answer of `tokens` tokens; a cut one (no eos) ends the conversation: it cannot be
+    continued."""
+    job.out.append({"role": "assistant", "content": answer})
+    job.turn += 1
+    job.turns_done += 1
+    stats.useful_tokens += tokens
+    if cut:
+        job.turn = len(job.messages)
+
+
+def finish_conversation(job: Job, too_long: bool, stats: RegenStats) -> None:
+    """Drop trailing turns whose answer was not generated; count the conversation as done or skipped (and why)."""
+    while job.out and job.out[-1]["role"] != "assistant":
+        job.out.pop()
+    if job.turns_done:
+        stats.conversations += 1
+    else:
+        why = "first prompt reaches max_length" if too_long else "no user turn before an assistant turn"
+        stats.skipped[why] = stats.skipped.get(why, 0) + 1
+
+
 class Scheduler:
     """Continuous batching of conversations over one KV cache; `run` drives it to the end (or a stop).
 
@@ -220,22 +242,12 @@ class Scheduler:
             job = self.queue.popleft()
 
     def _finish_turn(self, job: Job) -> None:
-        job.out.append({"role": "assistant", "content": self.tok.decode(job.generated, skip_special_tokens=True)})
-        job.turn += 1
-        job.turns_done += 1
-        self.stats.useful_tokens += len(job.generated)
+        answer = self.tok.decode(job.generated, skip_special_tokens=True)
+        finish_turn(job, answer, len(job.generated), job.generated[-1] not in self.eos, self.stats)
         self.stats.state_tokens += len(job.prompt) + len(job.generated) if self.capture else 0
-        if job.generated[-1] not in self.eos:
-            job.turn = len(job.messages)  # a cut answer cannot be continued: the conversation ends here
 
     def _finish_conversation(self, job: Job, too_long: bool) -> None:
-        while job.out and job.out[-1]["role"] != "assistant":
-            job.out.pop()  # user turns whose answer was not generated
-        if job.turns_done:
-            self.stats.conversations += 1
-        else:
-            why = "first prompt reaches max_length" if too_long else "no user turn before an assistant turn"
-            self.stats.skipped[why] = self.stats.skipped.get(why, 0) + 1
+        finish_conversation(job, too_long, self.stats)
         self.bar.update(1)
         self.on_done(job)
 
