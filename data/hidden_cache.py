@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Sequence
 
 import datasets
+import numpy as np
 import torch
 from safetensors import safe_open
 from safetensors.torch import save
@@ -157,8 +158,8 @@ def cache_hidden(target: Target, dataset: datasets.Dataset, folder: str | Path, 
     todo_tokens = sum(lengths[done:])
     need = todo_tokens * writer.bytes_per_token()
     free = shutil.disk_usage(writer.folder).free
-    logger.info("hidden-state cache %s: %s tokens to store (%d of %d examples), ~%.2f GB (%s bytes/token); %.1f GB free",
-                writer.folder, f"{todo_tokens:,}", len(dataset) - done, len(dataset), need / 1e9,
+    logger.info("hidden-state cache %s: %s tokens to store (%d of %d examples), ~%.2f GB (%s bytes/token); "
+                "%.1f GB free", writer.folder, f"{todo_tokens:,}", len(dataset) - done, len(dataset), need / 1e9,
                 f"{writer.bytes_per_token():,}", free / 1e9)
     if need > free:
         raise ValueError(f"the hidden-state cache needs ~{need / 1e9:.1f} GB but {writer.folder} has "
@@ -193,7 +194,8 @@ class HiddenStateDataset(torch.utils.data.Dataset):
             raise ValueError(f"hidden-state cache {self.folder} is incomplete ({self.index['num_examples']} examples "
                              "so far); rerun the command that wrote it (`eyas data cache-hidden` or `eyas data "
                              "regenerate --cache-hidden`) to finish it")
-        if target is not None and self.index["target"]["tokenizer_fingerprint"] != target.identity().tokenizer_fingerprint:
+        fingerprint = self.index["target"]["tokenizer_fingerprint"]
+        if target is not None and fingerprint != target.identity().tokenizer_fingerprint:
             raise ValueError(f"hidden-state cache {self.folder} was computed by another target "
                              f"({self.index['target']['name_or_path']})")
         self.layer_ids: list[int] = self.index["layer_ids"]
@@ -221,19 +223,34 @@ class HiddenStateDataset(torch.utils.data.Dataset):
             item["features"] = f.get_slice("features")[a:b]
         return item
 
-    def token_rows(self) -> datasets.Dataset:
-        """input_ids and loss_mask of every example, read without the states (e.g. to count the draft
-        vocabulary); fingerprinted by the cache's index, so a vocab map built from it is reused only for it."""
-        ids, masks = [], []
-        for s in range(len(self.index["shards"])):
+    def fingerprint(self, index: Sequence[int] | None = None) -> str:
+        """Names what the cache (or its rows `index`) holds: a vocab map counted on it is reused only for it."""
+        digest = hashlib.sha256(json.dumps(self.index, sort_keys=True).encode())
+        if index is not None:
+            digest.update(np.asarray(index, dtype=np.int64).tobytes())
+        return f"hidden-cache-{digest.hexdigest()[:32]}:{len(self) if index is None else len(index)}"
+
+    def lengths(self) -> np.ndarray:
+        """[num_examples] tokens per example, from the shards' offsets (no states read)."""
+        return np.concatenate([np.diff(self._shard(s).get_tensor("offsets").numpy())
+                               for s in range(len(self.index["shards"]))] or [np.zeros(0, np.int64)])
+
+    def token_counts(self, vocab_size: int, index: Sequence[int] | None = None) -> np.ndarray:
+        """[vocab_size] int64: loss-masked tokens per target id over every example (or the examples `index`),
+        counted shard by shard with bincount: memory is one shard's token ids, whatever the cache's size."""
+        chosen = None
+        if index is not None:
+            chosen = np.zeros(len(self), dtype=bool)
+            chosen[np.asarray(index, dtype=np.int64)] = True
+        counts = np.zeros(vocab_size, dtype=np.int64)
+        for s, shard in enumerate(self.index["shards"]):
             f = self._shard(s)
-            offsets = f.get_tensor("offsets").tolist()
-            flat_ids, flat_mask = f.get_tensor("input_ids"), f.get_tensor("loss_mask")
-            ids += [flat_ids[a:b].tolist() for a, b in zip(offsets, offsets[1:])]
-            masks += [flat_mask[a:b].tolist() for a, b in zip(offsets, offsets[1:])]
-        digest = hashlib.sha256(json.dumps(self.index, sort_keys=True).encode()).hexdigest()[:32]
-        rows = datasets.Dataset.from_dict({"input_ids": ids, "loss_mask": masks})
-        return rows.select(range(len(rows)), new_fingerprint=f"hidden-cache-{digest}")
+            ids, mask = f.get_tensor("input_ids").numpy(), f.get_tensor("loss_mask").numpy().astype(bool)
+            if chosen is not None:  # each example's selection spread over its tokens
+                per_example = chosen[shard["first"]: shard["first"] + shard["count"]]
+                mask &= np.repeat(per_example, np.diff(f.get_tensor("offsets").numpy()))
+            counts += np.bincount(ids[mask], minlength=vocab_size)[:vocab_size]
+        return counts
 
     def __getstate__(self) -> dict:  # safetensors handles do not pickle; reopen in the worker
         return {**self.__dict__, "_files": {}}

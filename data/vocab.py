@@ -11,6 +11,7 @@ import hashlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol, Union
 
 import datasets
 import numpy as np
@@ -32,21 +33,38 @@ class VocabMap:
     parts: dict[str, str]  # {"tokenizer", "data", "draft_vocab_size"}
 
 
-def data_fingerprint(dataset: datasets.Dataset) -> str:
-    """datasets' own content-chain fingerprint: equal for the same source, tokenizer and options."""
+class CountedRows(Protocol):
+    """Rows that count their own tokens shard by shard (the offline hidden-state cache), instead of being read
+    row by row as a datasets.Dataset."""
+
+    def fingerprint(self) -> str: ...
+    def token_counts(self, vocab_size: int) -> np.ndarray: ...
+
+
+Rows = Union[datasets.Dataset, CountedRows]  # rows with input_ids and loss_mask
+
+
+def data_fingerprint(dataset: Rows) -> str:
+    """datasets' own content-chain fingerprint: equal for the same source, tokenizer and options (a cache: its own)."""
+    if not isinstance(dataset, datasets.Dataset):
+        return dataset.fingerprint()
     return f"{dataset._fingerprint}:{len(dataset)}"
 
 
-def _parts(dataset: datasets.Dataset, tokenizer: PreTrainedTokenizerBase, n: int) -> dict[str, str]:
-    return {"tokenizer": tokenizer_fingerprint(tokenizer), "data": data_fingerprint(dataset), "draft_vocab_size": str(n)}
+def _parts(dataset: Rows, tokenizer: PreTrainedTokenizerBase, n: int) -> dict[str, str]:
+    return {"tokenizer": tokenizer_fingerprint(tokenizer), "data": data_fingerprint(dataset),
+            "draft_vocab_size": str(n)}
 
 
 def _digest(parts: dict[str, str]) -> str:
     return "sha256:" + hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()
 
 
-def token_counts(dataset: datasets.Dataset, vocab_size: int, batch_size: int = 1000) -> np.ndarray:
-    """[vocab_size] int64: how often each target id is a loss-masked (trained-on) token."""
+def token_counts(dataset: Rows, vocab_size: int, batch_size: int = 1000) -> np.ndarray:
+    """[vocab_size] int64: how often each target id is a loss-masked (trained-on) token, counted batch by batch
+    (memory: one batch of rows, never a list of every token)."""
+    if not isinstance(dataset, datasets.Dataset):
+        return dataset.token_counts(vocab_size)
     counts = np.zeros(vocab_size, dtype=np.int64)
     for batch in tqdm(dataset.iter(batch_size), total=-(-len(dataset) // batch_size), desc="counting tokens"):
         ids = np.concatenate([np.asarray(x, dtype=np.int64) for x in batch["input_ids"]])
@@ -55,7 +73,7 @@ def token_counts(dataset: datasets.Dataset, vocab_size: int, batch_size: int = 1
     return counts
 
 
-def coverage(dataset: datasets.Dataset, draft_to_target: torch.Tensor, vocab_size: int) -> float:
+def coverage(dataset: Rows, draft_to_target: torch.Tensor, vocab_size: int) -> float:
     """Fraction of the loss-masked tokens of `dataset` that are in the draft vocabulary."""
     return _share(token_counts(dataset, vocab_size), draft_to_target.cpu().numpy())
 
@@ -66,7 +84,7 @@ def _share(counts: np.ndarray, ids: np.ndarray) -> float:
     return float(counts[ids].sum() / total) if total else 0.0
 
 
-def build_vocab_map(dataset: datasets.Dataset, tokenizer: PreTrainedTokenizerBase, draft_vocab_size: int,
+def build_vocab_map(dataset: Rows, tokenizer: PreTrainedTokenizerBase, draft_vocab_size: int,
                     cache_path: str | Path | None = None) -> VocabMap:
     """Top-`draft_vocab_size` loss-masked target tokens of `dataset` (rows: input_ids, loss_mask).
 
@@ -93,7 +111,8 @@ def build_vocab_map(dataset: datasets.Dataset, tokenizer: PreTrainedTokenizerBas
 
 
 def save_vocab_map(vm: VocabMap, path: str | Path) -> None:
-    meta = {"fingerprint": vm.fingerprint, "coverage": repr(vm.coverage), **{f"part.{k}": v for k, v in vm.parts.items()}}
+    meta = {"fingerprint": vm.fingerprint, "coverage": repr(vm.coverage),
+            **{f"part.{k}": v for k, v in vm.parts.items()}}
     with atomic_file(path, "wb") as f:
         f.write(save({"draft_to_target": vm.draft_to_target.contiguous()}, metadata=meta))
 

@@ -52,3 +52,29 @@ def test_stale_map_detected(tmp_path, capsys):
         load_vocab_map(path, dataset=DATA)
     assert torch.equal(load_vocab_map(path, tokenizer=tok, draft_vocab_size=3, dataset=other).draft_to_target,
                        rebuilt.draft_to_target)
+
+
+def test_a_hidden_state_cache_counts_per_shard_what_its_rows_hold(tmp_path):
+    """The offline cache counts its tokens shard by shard (bincount); the counts, the map and the coverage equal
+    those of the same rows as a dataset, for the whole cache and for a subset of its examples."""
+    from eyas.data.hidden_cache import HiddenStateDataset, cache_hidden
+    from eyas.data.vocab import coverage, token_counts
+    from eyas.train.data import Subset
+
+    target = tiny_target()
+    g = torch.Generator().manual_seed(0)
+    rows = [torch.randint(4, 300, (int(n),), generator=g).tolist() for n in torch.randint(3, 30, (9,), generator=g)]
+    ds = datasets.Dataset.from_dict({"input_ids": rows, "loss_mask": [[int(i % 3 > 0) for i in range(len(r))]
+                                                                      for r in rows]})
+    cache_hidden(target, ds, tmp_path / "c", (), dtype="bf16", shard_examples=4)
+    cached = HiddenStateDataset(tmp_path / "c", target)
+    assert len(cached.index["shards"]) == 3
+    subset, index = Subset(cached, [1, 4, 5, 8]), [1, 4, 5, 8]
+    for counted, plain in ((cached, ds), (subset, ds.select(index))):
+        assert (token_counts(counted, 320) == token_counts(plain, 320)).all()
+        vm, ref = build_vocab_map(counted, tiny_tokenizer(), 20), build_vocab_map(plain, tiny_tokenizer(), 20)
+        assert torch.equal(vm.draft_to_target, ref.draft_to_target) and vm.coverage == pytest.approx(ref.coverage)
+        assert coverage(counted, vm.draft_to_target, 320) == pytest.approx(vm.coverage)
+    assert cached.fingerprint() != subset.fingerprint() != Subset(cached, [1, 4, 5]).fingerprint()
+    assert cached.lengths().tolist() == [len(r) for r in rows] and subset.lengths().tolist() == [len(rows[i])
+                                                                                                  for i in index]
