@@ -39,6 +39,8 @@ the sequence and loss-masked (an assistant token).
 
 from __future__ import annotations
 
+from typing import Callable, Union
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -51,6 +53,10 @@ from .config import LossConfig
 # Metric tensors are sums over positions (not means) so they add up across micro-batches and
 # processes; `acceptance` turns them into rates.
 Metrics = dict[str, torch.Tensor]
+# The teacher: the target's logits [B, T, V], or a function from flat rows [n] (b * T + t) of the batch to their
+# logits [n, V] (the trainer's: the target's own logits of those rows' hidden states), so only the rows that carry
+# loss are ever computed.
+Teacher = Union[torch.Tensor, Callable[[torch.Tensor], torch.Tensor]]
 
 
 def soft_cross_entropy(logits: torch.Tensor, target_logits: torch.Tensor) -> torch.Tensor:
@@ -124,20 +130,26 @@ def feature_noise(hidden: torch.Tensor, scale: float) -> torch.Tensor:
 
 
 def eagle1_loss(head: DraftHead, input_ids: torch.Tensor, valid: torch.Tensor, target_hidden: torch.Tensor,
-                target_logits: torch.Tensor, config: LossConfig) -> tuple[torch.Tensor, Metrics]:
-    """input_ids, valid [B, T]; target_hidden [B, T, H] final normed; target_logits [B, T, V]."""
+                target_logits: Teacher, config: LossConfig) -> tuple[torch.Tensor, Metrics]:
+    """input_ids, valid [B, T]; target_hidden [B, T, H] final normed; target_logits: the teacher (see Teacher)."""
     b, t = input_ids.shape
     n = t - 1
-    position_ids = torch.arange(n, device=input_ids.device).expand(b, -1)
+    dev = input_ids.device
+    position_ids = torch.arange(n, device=dev).expand(b, -1)
     hidden_in = feature_noise(head.fuse(target_hidden[:, :n]), config.feature_noise)
-    out = head(input_ids[:, 1:], hidden_in, position_ids, _causal_mask(head, b, n, input_ids.device), logits=False)
-    keep = valid[:, 1:]  # [B, n]
-    count = keep.sum().float()
+    out = head(input_ids[:, 1:], hidden_in, position_ids, _causal_mask(head, b, n, dev), logits=False)
+    keep = valid.cpu()[:, 1:].flatten().nonzero().squeeze(1)  # [P] flat (b, t) of the rows with loss (host-side)
+    at = _to(keep, dev)
+    count = torch.full((), float(len(keep)), device=dev)
     denom = count.clamp(min=1)
-    hidden = out.hidden[keep]  # [P, H]: only rows that carry loss reach the (full-vocab) lm_head
-    feature = F.smooth_l1_loss(hidden.float(), target_hidden[:, 1:][keep].float(), reduction="none").mean(-1)
+    hidden = out.hidden.flatten(0, 1).index_select(0, at)  # [P, H]: only rows with loss reach the lm_head
+    wanted = target_hidden[:, 1:].flatten(0, 1).index_select(0, at)
+    feature = F.smooth_l1_loss(hidden.float(), wanted.float(), reduction="none").mean(-1)
     feature_loss = feature.sum() / denom
-    logits, teacher = head.project(hidden), target_logits[:, 1:][keep]  # [P, V]
+    rows = keep + keep // n + 1  # the flat [B, T] index of (b, t + 1)
+    teacher = torch.cat([_logit_rows(target_logits, _to(rows[block], dev))
+                         for block in _blocks(len(rows), _teacher_block(head.config.vocab_size, dev))])  # [P, V]
+    logits = head.project(hidden)  # [P, V]
     ce_loss = soft_cross_entropy(logits, teacher).sum() / denom
     loss = config.feature_weight * feature_loss + config.ce_weight * ce_loss
     correct = (logits.argmax(-1) == teacher.argmax(-1)).sum().float()
@@ -147,67 +159,55 @@ def eagle1_loss(head: DraftHead, input_ids: torch.Tensor, valid: torch.Tensor, t
 
 
 def eagle3_ttt_loss(head: DraftHead, input_ids: torch.Tensor, valid: torch.Tensor, target_features: torch.Tensor,
-                    target_logits: torch.Tensor, config: LossConfig) -> tuple[torch.Tensor, Metrics]:
-    """input_ids, valid [B, T]; target_features [B, T, F] fused-layer inputs; target_logits [B, T, V]."""
+                    target_logits: Teacher, config: LossConfig) -> tuple[torch.Tensor, Metrics]:
+    """input_ids, valid [B, T]; target_features [B, T, F] fused-layer inputs; target_logits: the teacher (Teacher).
+
+    Which rows run at which step depends only on `valid`: that bookkeeping is done on the host, from one copy of
+    `valid`, so the unroll launches device work without waiting on it (no data-dependent shapes on the device)."""
     b, t = input_ids.shape
-    n = t - 1
-    steps = min(config.ttt_steps, n)
+    dev = input_ids.device
+    plan = _TTTPlan(valid.cpu(), min(config.ttt_steps, t - 1))
     # Teacher rows: every loss-carrying index u >= 1, cut to the draft vocab before anything else.
-    taught = valid.clone()
-    taught[:, 0] = False  # index 0 is never predicted
-    flat = taught.flatten().nonzero().squeeze(1)  # [P]
-    teacher_row = taught.flatten().long().cumsum(0).view(b, t) - 1  # [B, T] row of (b, u) in the teacher tables
-    target_top, restricted = _teacher_rows(target_logits.flatten(0, 1), flat, head.draft_to_target)
+    target_top, restricted = _teacher_rows(target_logits, plan.taught, head.draft_to_target,
+                                           head.config.vocab_size, dev)
     probs = torch.softmax(restricted.float(), dim=-1)  # [P, Dv]
     in_vocab = head.t2d[target_top]  # [P]
 
-    # carries[i][:, t]: step i at index t learns the distribution at t+1+i, which carries loss
-    shifted = torch.cat([valid[:, 1:], valid.new_zeros(b, steps)], dim=1)  # [B, n + steps]
-    carries = torch.stack([shifted[:, i:i + n] for i in range(steps)])  # [K, B, n]
-    needed = carries.flip(0).cumsum(0, dtype=torch.int32).flip(0) > 0  # step i still leads to a loss
-    # Attention is causal, so indices after the last one that leads to a loss (trailing padding, a
-    # last turn without loss) are read by nobody: drop them. The feature noise is drawn at full length
-    # so it equals what every-index evaluation draws.
-    hidden = feature_noise(head.fuse(target_features[:, :n]), config.feature_noise)  # [B, n, H]
-    last = needed[0].any(0).nonzero()  # [L, 1] indices that lead to a loss in some batch element
-    n = int(last.max()) + 1 if len(last) else 1
-    carries, needed, hidden = carries[..., :n], needed[..., :n], hidden[:, :n]
+    # The feature noise is drawn at full length so it equals what every-index evaluation draws; indices after the
+    # last one that leads to a loss are read by nobody (attention is causal) and dropped.
+    n = plan.n
+    hidden = feature_noise(head.fuse(target_features[:, :t - 1]), config.feature_noise)[:, :n]  # [B, n, H]
 
     # Rows are flat (b, t) -> b * n + t. Step 0 runs batched over every index [B, n] (causal): all of
     # them leave keys/values, but the last layer's MLP runs only at the rows that lead to a loss
     # (TTTAttention.step0_rows). Step i >= 1 runs packed as one sequence [1, P_i] over the rows that
     # still lead to a loss (no padding between batch rows; the TTTAttention keeps each row's attention
     # within its own batch element).
-    t_of = torch.arange(n, device=input_ids.device).repeat(b)  # [B*n] index t of each flat row
-    b_of = torch.arange(b, device=input_ids.device).repeat_interleave(n)  # [B*n] its batch element
-    rows = needed[0].flatten().nonzero().squeeze(1)  # [P_i] flat rows of this step, ascending
-    cache = TTTAttention(head.config.num_layers, step0_rows=rows, window=head.config.sliding_window)
-    ids, positions = input_ids[:, 1:n + 1], t_of.view(b, n)  # step 0: token t+1 at every index
-    picked, taught_rows = [], []  # per step: hidden [P'_i, H] of the rows with loss there, their teacher rows
-    for i in range(steps):
-        at, bat = t_of[rows], b_of[rows]  # [P_i]
-        if i > 0:  # needed[i] is a subset of needed[i-1]: keep those rows, feed back their hidden
-            keep = needed[i].flatten()[rows]  # [P_{i-1}] bool
-            rows, hidden, at, bat = rows[keep], hidden[keep], at[keep], bat[keep]
-            cache.next_step(at, bat.bincount(minlength=b).tolist(), keep)
+    cache = TTTAttention(head.config.num_layers, step0_rows=_to(plan.rows[0], dev), window=head.config.sliding_window)
+    ids, positions = input_ids[:, 1:n + 1], torch.arange(n, device=dev).expand(b, n)  # step 0: token t+1 at index t
+    picked = []  # per step: hidden [P'_i, H] of the rows with loss there
+    for i in range(plan.steps):
+        if i > 0:  # the rows of step i are a subset of step i-1's: keep those, feed back their hidden
+            keep, at, bat = (_to(x, dev) for x in (plan.keep[i], plan.at[i], plan.batch[i]))
+            hidden = hidden.index_select(0, keep)
+            cache.next_step(at, plan.batch_sizes[i], keep)
             # teacher forcing: token t+1+i (inside the sequence for needed rows)
             ids, positions, hidden = input_ids[bat, at + 1 + i][None], (at + i)[None], hidden[None]
-        step0_mask = _causal_mask(head, b, n, input_ids.device) if i == 0 else None
+        step0_mask = _causal_mask(head, b, n, dev) if i == 0 else None
         hidden = head(ids, hidden, positions, step0_mask, cache, logits=False).hidden.flatten(0, 1)  # [P_i, H]
-        sel = carries[i].flatten()[rows]  # [P_i] rows with loss at this step
-        picked.append(hidden[sel])
-        taught_rows.append(teacher_row[bat, at + 1 + i][sel])
+        picked.append(hidden.index_select(0, _to(plan.selected[i], dev)))
     # One projection for all steps: one large matmul and one weight-gradient product instead of K.
     logits = head.project(torch.cat(picked))  # [sum P_i, Dv]
-    teacher = torch.cat(taught_rows)
-    sizes = [len(r) for r in taught_rows]
+    teacher = _to(torch.cat(plan.teacher), dev)
+    sizes = [len(r) for r in plan.teacher]
     hit = (head.to_target_ids(logits.argmax(-1)) == target_top[teacher]).split(sizes)
     ce = _cross_entropy(logits, probs, teacher, consume=True).split(sizes)  # logits are not read after this
     oov = (~in_vocab[teacher]).split(sizes)
-    loss = target_logits.new_zeros((), dtype=torch.float32)
+    counts = _to(torch.tensor(sizes, dtype=torch.float32), dev)
+    loss = counts.new_zeros(())
     metrics: Metrics = {}
-    for i in range(steps):
-        count = loss.new_tensor(float(sizes[i]))
+    for i in range(plan.steps):
+        count = counts[i]
         step_loss = ce[i].sum() / count.clamp(min=1)
         loss = loss + config.step_decay ** i * step_loss
         metrics[f"loss/step{i}"] = step_loss.detach() * count
@@ -215,6 +215,51 @@ def eagle3_ttt_loss(head: DraftHead, input_ids: torch.Tensor, valid: torch.Tenso
         metrics[f"count/step{i}"] = count
         metrics[f"oov/step{i}"] = oov[i].sum().float()
     return loss, metrics
+
+
+class _TTTPlan:
+    """Host-side row bookkeeping of the TTT unroll, from valid [B, T] (CPU): which flat rows b * n + t run at each
+    step, which of them carry loss, and the teacher row each of those learns from."""
+
+    def __init__(self, valid: torch.Tensor, steps: int) -> None:
+        b, t = valid.shape
+        n = t - 1
+        self.steps = steps
+        taught = valid.clone()
+        taught[:, 0] = False  # index 0 is never predicted
+        self.taught = taught.flatten().nonzero().squeeze(1)  # [P] flat [B, T] rows of the teacher tables
+        teacher_row = taught.flatten().long().cumsum(0).view(b, t) - 1  # [B, T] row of (b, u) in those tables
+        # carries[i][:, t]: step i at index t learns the distribution at t+1+i, which carries loss
+        shifted = torch.cat([valid[:, 1:], valid.new_zeros(b, steps)], dim=1)  # [B, n + steps]
+        carries = torch.stack([shifted[:, i:i + n] for i in range(steps)])  # [K, B, n]
+        needed = carries.flip(0).cumsum(0, dtype=torch.int32).flip(0) > 0  # step i still leads to a loss
+        last = needed[0].any(0).nonzero()  # [L, 1] indices that lead to a loss in some batch element
+        n = self.n = int(last.max()) + 1 if len(last) else 1
+        carries, needed = carries[..., :n], needed[..., :n]
+        t_of = torch.arange(n).repeat(b)  # [B*n] index t of each flat row
+        b_of = torch.arange(b).repeat_interleave(n)  # [B*n] its batch element
+        self.rows, self.keep, self.at, self.batch, self.batch_sizes = [], [], [], [], []
+        self.selected, self.teacher = [], []
+        rows = needed[0].flatten().nonzero().squeeze(1)  # [P_0] flat rows of step 0, ascending
+        for i in range(steps):
+            keep = needed[i].flatten()[rows].nonzero().squeeze(1)  # [P_i] which of step i-1's rows go on
+            rows = rows if i == 0 else rows[keep]
+            at, bat = t_of[rows], b_of[rows]
+            self.rows.append(rows)
+            self.keep.append(keep)
+            self.at.append(at)
+            self.batch.append(bat)
+            self.batch_sizes.append(bat.bincount(minlength=b).tolist())
+            sel = carries[i].flatten()[rows].nonzero().squeeze(1)  # [P'_i] rows with loss at this step
+            self.selected.append(sel)
+            self.teacher.append(teacher_row[bat[sel], at[sel] + 1 + i])
+
+
+def _to(x: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on `device` without waiting for the device (pinned, asynchronous copy on CUDA)."""
+    if device.type != "cuda":
+        return x.to(device)
+    return x.pin_memory().to(device, non_blocking=True)
 
 
 def _causal_mask(head: DraftHead, b: int, n: int, device: torch.device) -> torch.Tensor | None:
@@ -226,16 +271,30 @@ def _causal_mask(head: DraftHead, b: int, n: int, device: torch.device) -> torch
     return ((i[None, :] <= i[:, None]) & (i[None, :] > i[:, None] - window)).expand(b, n, n)
 
 
-def _teacher_rows(logits: torch.Tensor, rows: torch.Tensor, columns: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Target logits [N, V] at `rows` [P]: their argmax over the full vocabulary [P] and their logits at
-    `columns` [P, C]. Done in small blocks of rows so each block is read from memory once, for both,
-    and no [P, V] or [N, C] copy is made."""
+def _teacher_rows(teacher: Teacher, rows: torch.Tensor, columns: torch.Tensor, vocab: int,
+                  device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The teacher's logits at flat rows `rows` [P] (host): their argmax over the full vocabulary [P] and their
+    logits at `columns` [P, C]. In blocks of rows, so no [P, V] (let alone [B, T, V]) is ever held."""
     top, cut = [], []
-    for block in _blocks(len(rows), 32):  # [32, 49152] fp32 = 6 MiB
-        full = logits.index_select(0, rows[block])
+    for block in _blocks(len(rows), _teacher_block(vocab, device)):
+        full = _logit_rows(teacher, _to(rows[block], device))  # [block, V]
         top.append(full.argmax(-1))
         cut.append(full.index_select(1, columns))
     return torch.cat(top), torch.cat(cut)
+
+
+def _teacher_block(vocab: int, device: torch.device) -> int:
+    """Rows per block of teacher logits [rows, vocab]: a fixed byte budget, small on a CPU so a block stays in
+    cache, larger on a GPU to amortise the calls."""
+    budget = (8 << 20) if device.type == "cpu" else (1 << 30)
+    return max(1, budget // (4 * vocab))
+
+
+def _logit_rows(teacher: Teacher, rows: torch.Tensor) -> torch.Tensor:
+    """Teacher logits at flat rows [n] of the [B, T] batch -> [n, V]."""
+    if isinstance(teacher, torch.Tensor):
+        return teacher.flatten(0, 1).index_select(0, rows)
+    return teacher(rows)
 
 
 class DistillationLoss(nn.Module):
@@ -248,7 +307,7 @@ class DistillationLoss(nn.Module):
         self.config = config
 
     def forward(self, input_ids: torch.Tensor, valid: torch.Tensor, target_states: torch.Tensor,
-                target_logits: torch.Tensor) -> tuple[torch.Tensor, Metrics]:
+                target_logits: Teacher) -> tuple[torch.Tensor, Metrics]:
         """target_states: [B, T, H] final hidden (eagle1) or [B, T, F] fused-layer features (eagle3)."""
         fn = eagle3_ttt_loss if self.head.config.head_type == "eagle3" else eagle1_loss
         return fn(self.head, input_ids, valid, target_states, target_logits, self.config)

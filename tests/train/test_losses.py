@@ -146,8 +146,9 @@ def _grads(head):
     return {k: p.grad.clone() for k, p in head.named_parameters() if p.grad is not None}
 
 
-@pytest.mark.parametrize("head_type, arch, layers", [("eagle3", "llama", 1), ("eagle3", "qwen2", 1), ("eagle3", "llama", 2),
-                                                     ("eagle1", "llama", 1), ("eagle1", "qwen2", 1)])
+@pytest.mark.parametrize("head_type, arch, layers", [("eagle3", "llama", 1), ("eagle3", "qwen2", 1),
+                                                     ("eagle3", "llama", 2), ("eagle1", "llama", 1),
+                                                     ("eagle1", "qwen2", 1)])
 def test_optimised_loss_and_gradients_equal_the_reference(head_type, arch, layers):
     """Loss, metrics and every gradient match the every-index reference, with prompt/assistant/padding
     masks that leave some rows without loss at late steps, indices at the end that lead to no loss
@@ -196,3 +197,39 @@ def test_ttt_loss_without_any_loss_position_is_zero(setup):
     loss.backward()
     assert loss.item() == 0 and all(m[f"count/step{i}"].item() == 0 for i in range(3))
     assert all(p.grad is None or not p.grad.any() for p in head.parameters())
+
+
+@pytest.mark.parametrize("head_type", ["eagle3", "eagle1"])
+def test_teacher_rows_through_the_targets_own_head_equal_full_logits(head_type):
+    """The trainer's teacher (the target's logits of chosen hidden rows, `Target.logits`) gives the loss, metrics
+    and gradients of the full [B, T, V] logits, and is asked only for rows that carry loss."""
+    target = tiny_target("llama")
+    torch.manual_seed(0)
+    eagle3 = head_type == "eagle3"
+    head = DraftHead(head_config_for(target, head_type, draft_vocab_size=64 if eagle3 else None), target)
+    if eagle3:
+        head.set_vocab_map(torch.arange(0, 128, 2))
+    ids = torch.randint(4, 300, (3, 12))
+    out = target(ids, layer_ids=head.config.fused_layer_ids)
+    states = out.features if eagle3 else out.hidden
+    valid = torch.zeros_like(ids, dtype=torch.bool)
+    valid[0, 2:6] = valid[1, 7:] = True
+    asked = []
+
+    def teacher(rows):
+        asked.append(rows.clone())
+        return target.logits(out.hidden.flatten(0, 1).index_select(0, rows))
+
+    fn = eagle3_ttt_loss if eagle3 else eagle1_loss
+    results = []
+    for given in (out.logits, teacher):
+        head.zero_grad()
+        loss, metrics = fn(head, ids, valid, states, given, LossConfig(ttt_steps=3))
+        loss.backward()
+        results.append((loss.detach(), metrics, _grads(head)))
+    (loss, metrics, grads), (ref_loss, ref_metrics, ref_grads) = results[1], results[0]
+    assert torch.allclose(loss, ref_loss, rtol=1e-5) and metrics.keys() == ref_metrics.keys()
+    assert all(torch.allclose(metrics[k], ref_metrics[k], rtol=1e-5) for k in metrics)
+    assert all(torch.allclose(grads[k], ref_grads[k], rtol=1e-4, atol=1e-7) for k in grads)
+    rows = torch.cat(asked)
+    assert set(rows.tolist()) == set(valid.flatten().nonzero().squeeze(1).tolist()) - {0, 12, 24}  # index 0: never
