@@ -24,7 +24,8 @@ from eyas.models.errors import ConfigError, MissingInput
 class TargetConfig:
     # Local HF folder, .gguf file, hub id, or the alias `smollm2-135m`.
     spec: str = "smollm2-135m"
-    dtype: Literal["fp32", "bf16"] = "fp32"
+    # auto: bf16 on a GPU, fp32 on a CPU (no native bf16 there).
+    dtype: Literal["auto", "fp32", "bf16"] = "auto"
 
 
 @dataclass(frozen=True)
@@ -50,7 +51,8 @@ class DataConfig:
     # Fraction (<1) or number (>=1) of examples kept aside for held-out acceptance.
     held_out: float = 0.02
     limit: int | None = None
-    num_proc: int = 1
+    # Tokenizer processes (null: one per 20k conversations, at most one per core, 16 at most).
+    num_proc: int | None = None
     # online: the frozen target runs in the loop; offline: read `cache_dir` (eyas data cache-hidden).
     hidden_states: Literal["online", "offline"] = "online"
     cache_dir: str | None = None
@@ -60,6 +62,8 @@ class DataConfig:
     # small or self-distilled training set holds too few distinct tokens, so a vocab counted on it misses
     # many tokens of other text (the demo: 9 % of MT-bench answer tokens with 8192 counted on its 336k).
     vocab_source: str | None = None
+    # DataLoader worker processes (null: 4 on a GPU, none on a CPU).
+    loader_workers: int | None = None
 
 
 @dataclass(frozen=True)
@@ -101,6 +105,9 @@ class BatchConfig:
     # Sequences per process per micro-batch; the global batch is size * processes * grad_accum.
     size: int = 4
     grad_accum: int = 1
+    # Sort each optimizer step's examples by length before dealing them out as micro-batches (less padding; the
+    # step's examples stay the same at any world size).
+    group_by_length: bool = True
 
 
 @dataclass(frozen=True)
@@ -134,13 +141,20 @@ class DistributedConfig:
     # copy per process otherwise; replicate = always whole (no gathers, fastest when it fits); shard = also
     # under DDP (torch FSDP2 on the target only).
     target_placement: Literal["auto", "replicate", "shard"] = "auto"
+    # Processes per sharding group (null: the processes of one node, LOCAL_WORLD_SIZE): the target (and an FSDP
+    # head) is sharded within a group and replicated across groups, so its gathers stay on a node's fast links.
+    shard_group_size: int | None = None
+    # How long a rank waits for the others (e.g. while the main process tokenizes a large data set).
+    timeout_minutes: int = 180
 
 
 @dataclass(frozen=True)
 class RunConfig:
     output_dir: str = "runs/default"
     seed: int = 0
-    precision: Literal["fp32", "bf16"] = "fp32"
+    # The head's training precision: bf16 autocast or fp32 (TF32 matmuls on a GPU); auto: bf16 on a GPU, fp32 on
+    # a CPU.
+    precision: Literal["auto", "fp32", "bf16"] = "auto"
     target: TargetConfig = field(default_factory=TargetConfig)
     head: HeadSection = field(default_factory=HeadSection)
     data: DataConfig = field(default_factory=DataConfig)
@@ -166,7 +180,8 @@ class RunConfig:
             (self.data.hidden_states == "online" or self.data.cache_dir,
              "data.hidden_states=offline needs data.cache_dir (the folder written by `eyas data cache-hidden`)"),
             (self.optim.lr > 0, "optim.lr must be > 0"),
-            (self.checkpoint.every >= 1 and self.checkpoint.keep >= 1, "checkpoint.every and checkpoint.keep must be >= 1"),
+            (self.checkpoint.every >= 1 and self.checkpoint.keep >= 1,
+             "checkpoint.every and checkpoint.keep must be >= 1"),
             (self.logging.every >= 1, "logging.every must be >= 1"),
             (self.schedule.total_steps is None or self.schedule.total_steps >= 1, "schedule.total_steps must be >= 1"),
         ]
@@ -176,6 +191,27 @@ class RunConfig:
 
     def to_dict(self) -> dict[str, Any]:
         return _plain(dataclasses.asdict(self))
+
+
+def run_device() -> str:
+    """The device a training process gets: CUDA when visible (accelerate picks the local GPU), else CPU."""
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def run_precision(config: RunConfig) -> str:
+    """config.precision with `auto` resolved for the device the run gets."""
+    from eyas.models.loading import default_dtype
+
+    return default_dtype(run_device()) if config.precision == "auto" else config.precision
+
+
+def target_dtype(config: RunConfig) -> str:
+    """config.target.dtype with `auto` resolved for the device the run gets."""
+    from eyas.models.loading import default_dtype
+
+    return default_dtype(run_device()) if config.target.dtype == "auto" else config.target.dtype
 
 
 def _plain(value: Any) -> Any:

@@ -5,13 +5,19 @@ An optimizer step consumes the next `batch.size * processes * grad_accum` stream
 a of rank r takes positions [a*size*world + r*size, +size). The trainer only stores how many
 positions were consumed, so a resumed run, at the same or another world size, continues exactly
 where the last one stopped, and a 2-process step sees the same examples as a 1-process step with
-the doubled batch.
+the doubled batch. With `batch.group_by_length`, a step's examples are first sorted by length, so each
+micro-batch holds examples of similar length (less padding); the step's set of examples is the same.
+
+Batches are built by a torch DataLoader (worker processes, pinned memory on a GPU) from `StepSampler`, which
+yields this rank's micro-batches in that order starting at any stream position.
 """
 
 from __future__ import annotations
 
+import functools
+import os
 from pathlib import Path
-from typing import Any, Callable, Protocol
+from typing import Any, Callable, Iterator, Protocol, Sequence
 
 import torch
 
@@ -37,7 +43,8 @@ def load_examples(config: DataConfig, target, seed: int) -> tuple[Examples, Exam
         cache = HiddenStateDataset(config.cache_dir, target)
         train_idx, held_idx = split_indices(len(cache), config.held_out, seed)
         return Subset(cache, train_idx), Subset(cache, held_idx), f"{len(cache)} cached examples in {config.cache_dir}"
-    examples, skips = _tokenized(config, config.source, target.tokenizer, field_map=config.field_map, limit=config.limit)
+    examples, skips = _tokenized(config, config.source, target.tokenizer, field_map=config.field_map,
+                                 limit=config.limit)
     train_idx, held_idx = split_indices(len(examples), config.held_out, seed)
     return examples.select(train_idx), examples.select(held_idx), str(skips)
 
@@ -58,9 +65,15 @@ class Subset:
     def layer_ids(self) -> list[int]:
         return self.examples.layer_ids
 
-    def token_rows(self):
-        """The rows' input_ids and loss_mask as a datasets.Dataset (the cache's `token_rows`, selected)."""
-        return self.examples.token_rows().select(self.index)
+    def fingerprint(self) -> str:
+        return self.examples.fingerprint(self.index)
+
+    def token_counts(self, vocab_size: int):
+        """Loss-masked tokens per target id over these rows (the cache counts them shard by shard)."""
+        return self.examples.token_counts(vocab_size, self.index)
+
+    def lengths(self):
+        return self.examples.lengths()[self.index]
 
 
 class ExampleStream:
@@ -72,7 +85,8 @@ class ExampleStream:
         self.examples, self.seed, self.shuffle = examples, seed, shuffle
         self._epoch, self._order = -1, None
 
-    def _index(self, position: int) -> int:
+    def index(self, position: int) -> int:
+        """The example at stream position `position`."""
         epoch, offset = divmod(position, len(self.examples))
         if epoch != self._epoch:
             gen = torch.Generator().manual_seed(self.seed + epoch)
@@ -82,12 +96,65 @@ class ExampleStream:
         return self._order[offset]
 
     def rows(self, start: int, count: int) -> list[dict[str, Any]]:
-        return [self.examples[self._index(p)] for p in range(start, start + count)]
+        return [self.examples[self.index(p)] for p in range(start, start + count)]
 
 
 def micro_batch_start(consumed: int, micro: int, rank: int, size: int, world: int) -> int:
     """Stream position of micro-batch `micro` of `rank` in the step that begins at `consumed`."""
     return consumed + micro * size * world + rank * size
+
+
+class StepSampler(torch.utils.data.Sampler):
+    """This rank's micro-batches (lists of example indices), step after step from stream position `consumed`.
+
+    A step's examples are the stream positions [consumed, consumed + size * world * grad_accum); micro-batch a of
+    rank r takes slot a * world + r of them, in stream order or, with `lengths`, sorted by length (ties in stream
+    order). Either way the set of a step's examples depends only on the position, not on the world size."""
+
+    def __init__(self, stream: ExampleStream, consumed: int, size: int, world: int, rank: int, grad_accum: int,
+                 lengths: Sequence[int] | None = None) -> None:
+        self.stream, self.consumed, self.size, self.world, self.rank = stream, consumed, size, world, rank
+        self.grad_accum, self.lengths = grad_accum, lengths
+
+    def __iter__(self) -> Iterator[list[int]]:
+        step = self.size * self.world * self.grad_accum
+        consumed = self.consumed
+        while True:
+            chosen = [self.stream.index(p) for p in range(consumed, consumed + step)]
+            if self.lengths is not None:
+                chosen = [chosen[j] for j in sorted(range(step), key=lambda j: (self.lengths[chosen[j]], j))]
+            for micro in range(self.grad_accum):
+                slot = (micro * self.world + self.rank) * self.size
+                yield chosen[slot: slot + self.size]
+            consumed += step
+
+
+def lengths_of(examples: Examples) -> list[int]:
+    """Tokens per example, read without materialising the token lists (Arrow for a dataset, offsets for a cache)."""
+    if hasattr(examples, "lengths"):
+        return examples.lengths().tolist()
+    import pyarrow.compute as pc
+
+    return pc.list_value_length(examples.with_format("arrow")["input_ids"]).to_numpy().tolist()
+
+
+def loader_workers(requested: int | None, device: torch.device) -> int:
+    """DataLoader worker processes: `requested`, else 4 on a GPU (the host prepares batches while the GPU runs) and
+    none on a CPU (the cores are busy with training)."""
+    if requested is not None:
+        return requested
+    return 0 if device.type == "cpu" else min(4, os.cpu_count() or 1)
+
+
+def train_batches(examples: Examples, sampler: StepSampler, pad_id: int, workers: int,
+                  pin_memory: bool) -> Iterator[dict[str, torch.Tensor]]:
+    """Collated micro-batches (CPU tensors, pinned when asked) in the sampler's order, made by `workers`
+    processes ahead of use."""
+    loader = torch.utils.data.DataLoader(examples, batch_sampler=sampler, collate_fn=functools.partial(
+        collate, pad_id=pad_id), num_workers=workers, pin_memory=pin_memory, persistent_workers=workers > 0,
+        prefetch_factor=4 if workers else None,
+        generator=torch.Generator())  # its own: an iterator draws a seed, which must not move the run's RNG (resume)
+    return iter(loader)
 
 
 def collate(rows: list[dict[str, Any]], pad_id: int) -> dict[str, torch.Tensor]:
@@ -119,16 +186,17 @@ def draft_vocab(config, target, train_set, size: int, accelerator, log: Callable
     from eyas.data.vocab import build_vocab_map, coverage
 
     d = config.data
-    train_rows = train_set.token_rows() if d.hidden_states == "offline" else train_set  # the cache: tokens only
+    train_rows = train_set  # a datasets.Dataset, or the cache's rows (which count their tokens shard by shard)
     with accelerator.main_process_first():  # the main process tokenizes (a vocab_source) and caches first
         counted = train_rows if d.vocab_source is None else vocab_source_rows(d, target.tokenizer)
         vocab = build_vocab_map(counted, target.tokenizer, size, vocab_cache_path(d, config.output_dir))
-    if counted is train_rows:
-        covered, counted_on = vocab.coverage, ""
-    else:
-        covered = coverage(train_rows, vocab.draft_to_target, len(target.tokenizer))
-        counted_on = f" (counted on {d.vocab_source}: {vocab.coverage:.1%} there)"
-    log(f"draft vocab: {size} tokens cover {covered:.1%} of training targets{counted_on}")
+    if accelerator.is_main_process:  # the other ranks read the stored map: they count nothing
+        if counted is train_rows:
+            covered, counted_on = vocab.coverage, ""
+        else:
+            covered = coverage(train_rows, vocab.draft_to_target, len(target.tokenizer))
+            counted_on = f" (counted on {d.vocab_source}: {vocab.coverage:.1%} there)"
+        log(f"draft vocab: {size} tokens cover {covered:.1%} of training targets{counted_on}")
     return vocab.draft_to_target
 
 
@@ -145,7 +213,20 @@ def vocab_source_rows(config: DataConfig, tokenizer):
 def _tokenized(config: DataConfig, source: str, tokenizer, field_map: dict[str, str] | None = None,
                limit: int | None = None):
     """`source` through the data layer with the config's template options: (examples, skip counts)."""
-    from eyas.data import build_examples
+    from eyas.data import build_examples, load_conversations
 
+    workers = config.num_proc
+    if workers is None:  # the source is read (and cached) once first, to see how large it is
+        rows = len(load_conversations(source, field_map)[0])
+        workers = tokenize_workers(min(rows, limit) if limit is not None else rows)
     return build_examples(source, tokenizer, max_length=config.max_length, assistant_turns=config.assistant_turns,
-                          field_map=field_map, limit=limit, num_proc=config.num_proc if config.num_proc > 1 else None)
+                          field_map=field_map, limit=limit, num_proc=workers if workers > 1 else None)
+
+
+ROWS_PER_WORKER = 20_000  # below this, starting a tokenizer process costs more than it saves
+
+
+def tokenize_workers(rows: int) -> int:
+    """Tokenizer processes for `rows` conversations: one per ROWS_PER_WORKER rows, at most one per core (16 at
+    most). The other ranks of a launch wait meanwhile (main_process_first), so the cores are free."""
+    return max(1, min(rows // ROWS_PER_WORKER, os.cpu_count() or 1, 16))

@@ -8,13 +8,14 @@ launcher's WORLD_SIZE and the config's expectations before anything is loaded.
 from __future__ import annotations
 
 import os
+from datetime import timedelta
 from pathlib import Path
 
 import torch
 
 from eyas.models.errors import EyasError
 
-from .config import RunConfig
+from .config import RunConfig, run_precision
 
 TRACKERS = {"none": None, "tensorboard": ["tensorboard"], "wandb": ["wandb"], "all": ["tensorboard", "wandb"]}
 
@@ -28,12 +29,15 @@ def make_accelerator(config: RunConfig):
     from accelerate import Accelerator
     from accelerate.utils import InitProcessGroupKwargs
 
-    handlers = []
+    # The other ranks wait in the process group while the main one tokenizes the data and counts the draft vocab
+    # (main_process_first): the timeout must outlast that on large data, on every backend.
+    kwargs = {"timeout": timedelta(minutes=config.distributed.timeout_minutes)}
     if not torch.cuda.is_available() and int(os.environ.get("WORLD_SIZE", "1")) > 1:
         # Without a GPU, DeepSpeed/DDP need gloo; otherwise accelerate believes it has one process.
-        handlers.append(InitProcessGroupKwargs(backend="gloo"))
+        kwargs["backend"] = "gloo"
+    handlers = [InitProcessGroupKwargs(**kwargs)]
     return Accelerator(
-        mixed_precision="bf16" if config.precision == "bf16" else "no",
+        mixed_precision="bf16" if run_precision(config) == "bf16" else "no",
         gradient_accumulation_steps=config.batch.grad_accum,
         log_with=TRACKERS[config.logging.backend], project_dir=str(Path(config.output_dir) / "logs"),
         kwargs_handlers=handlers,

@@ -1,11 +1,16 @@
 """The training recipe: setup → train → save → cleanup, one process or many under `accelerate launch`.
 
 - The frozen target is loaded in every process, outside `accelerator.prepare`: it is never in the
-  optimizer, holds no gradients and runs under no_grad. Under ZeRO-3/FSDP it is sharded across the
-  processes (see target_sharding.py; `distributed.target_placement`), otherwise each process holds it whole.
+  optimizer, holds no gradients and runs under no_grad. Under ZeRO-3/FSDP each process loads only its shard
+  (see target_sharding.py; `distributed.target_placement`), otherwise each process holds it whole.
 - The head and its loss are one module (`DistillationLoss`), the only thing prepared with the optimizer.
-- Data order is global and world-size independent (see data.py); the trainer does its own sharding,
-  so no dataloader is prepared and `accelerate` never re-scales the scheduler.
+- Teacher logits are computed only at the rows that carry loss, in chunks, by the target's own head
+  (`Target.logits` over those rows' hidden states): never [B, T, V].
+- Data order is global and world-size independent (see data.py); the trainer does its own sharding (a
+  DataLoader over data.StepSampler), so no dataloader is prepared and `accelerate` never re-scales the scheduler.
+- Host syncs: metrics stay on the device, summed over a logging window, and cross to the host once per window
+  (one reduce), together with every micro-step's loss (a NaN anywhere stops the run there) and the stop flags.
+  A checkpoint or evaluation forces that sync first, so nothing is saved after a non-finite loss.
 - Illegal combinations rejected at setup: a launch whose process count/type differs from what was
   expected; an offline cache whose layers differ from the head's fused layers; eagle1 with a draft vocab.
 """
@@ -28,7 +33,17 @@ from eyas.models.signals import GracefulStop
 
 from . import checkpoint
 from .config import RunConfig, dump_config
-from .data import ExampleStream, collate, draft_vocab, load_examples, micro_batch_start
+from .data import (
+    ExampleStream,
+    StepSampler,
+    collate,
+    draft_vocab,
+    lengths_of,
+    load_examples,
+    loader_workers,
+    micro_batch_start,
+    train_batches,
+)
 from .launch import TRACKERS, LaunchMismatch, check_launch, make_accelerator
 from .losses import DistillationLoss, acceptance
 from .optim import optimizer_and_schedule
@@ -70,8 +85,10 @@ class Trainer:
         self.step, self.consumed, self.tokens_seen = 0, 0, 0
         self.stream = ExampleStream(self.train_set, c.seed)
         self.pad_id = self.target.tokenizer.pad_token_id if self.target.tokenizer.pad_token_id is not None else 0
-        self._stop = GracefulStop(self.log, "saving a checkpoint after this step, then exiting")
+        self._stop = GracefulStop(self.log, "saving a checkpoint at the next logging step, then exiting"
+                                  if self.world > 1 else "saving a checkpoint after this step, then exiting")
         self._resume()
+        self.lengths = lengths_of(self.train_set) if c.batch.group_by_length else None
         if acc.is_main_process:
             self.out.mkdir(parents=True, exist_ok=True)
             (self.out / "config.yaml").write_text(dump_config(c))
@@ -115,7 +132,8 @@ class Trainer:
         found = checkpoint.list_checkpoints(self.out)
         if c.resume == "none":
             if found:
-                raise ValueError(f"{self.out} already has checkpoints; use checkpoint.resume=auto or another output_dir")
+                raise ValueError(f"{self.out} already has checkpoints; use checkpoint.resume=auto or another "
+                                 "output_dir")
             return
         folder = Path(c.resume) if c.resume != "auto" else (found[-1] if found else None)
         if folder is None:
@@ -126,30 +144,57 @@ class Trainer:
                  f"now {self.world})")
 
     # ---- one micro-batch -------------------------------------------------------------------------
-    def _batch(self, rows: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
-        return {k: v.to(self.accelerator.device) for k, v in collate(rows, self.pad_id).items()}
+    def _batch(self, rows: dict[str, torch.Tensor] | list[dict[str, Any]]) -> dict[str, torch.Tensor]:
+        """A collated batch (or rows to collate) on the run's device; pinned host tensors copy asynchronously."""
+        batch = rows if isinstance(rows, dict) else collate(rows, self.pad_id)
+        return {k: v.to(self.accelerator.device, non_blocking=True) for k, v in batch.items()}
 
-    def _target_states(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        """-> (states [B, T, F or H], logits [B, T, V]) from the frozen target or the offline cache."""
+    def _target_states(self, batch: dict[str, torch.Tensor]):
+        """-> (states [B, T, F or H], teacher): states from the frozen target or the offline cache; the teacher maps
+        flat rows [n] of the batch to the target's logits there [n, V], through the target's own head (losses.py
+        asks only for the rows that carry loss, in chunks)."""
         eagle3 = self.head.config.head_type == "eagle3"
         with torch.no_grad():
             if "hidden" in batch:  # offline cache (layer ids checked at setup)
-                states = batch["features"] if eagle3 else batch["hidden"]
-                return states, self.target.logits(batch["hidden"].to(self.target.dtype))
-            out = self.target(batch["input_ids"], padding_mask=batch["attention_mask"],
-                              layer_ids=self.head.config.fused_layer_ids)
-            return (out.features if eagle3 else out.hidden), out.logits
+                hidden = batch["hidden"]
+                states = batch["features"] if eagle3 else hidden
+            else:
+                out = self.target(batch["input_ids"], padding_mask=batch["attention_mask"],
+                                  layer_ids=self.head.config.fused_layer_ids, logits=False)
+                hidden, states = out.hidden, out.features if eagle3 else out.hidden
+        flat = hidden.flatten(0, 1)  # [B*T, H]
+
+        def teacher(rows: torch.Tensor) -> torch.Tensor:
+            return self.target.logits(flat.index_select(0, rows).to(self.target.dtype))
+
+        return states, teacher
 
     def _forward(self, batch: dict[str, torch.Tensor]):
-        states, logits = self._target_states(batch)
+        states, teacher = self._target_states(batch)
         valid = batch["attention_mask"] & batch["loss_mask"]
-        return self.model(batch["input_ids"], valid, states, logits)
+        return self.model(batch["input_ids"], valid, states, teacher)
 
-    def _sync_flags(self, nonfinite: bool) -> tuple[bool, bool]:
-        """All ranks agree on (nonfinite loss somewhere, stop requested somewhere)."""
-        flags = torch.tensor([float(nonfinite), float(bool(self._stop))], device=self.accelerator.device)
-        flags = self.accelerator.reduce(flags, "sum")
-        return bool(flags[0] > 0), bool(flags[1] > 0)
+    def _sync(self, window: dict[str, torch.Tensor], losses: list[torch.Tensor],
+              tokens: int) -> tuple[dict[str, float], list[float], float, bool]:
+        """The one host sync of a logging window: the window's metric sums, every micro-step's loss, the token count
+        and the stop flags, summed over processes in one reduce -> (sums, losses, tokens, stop requested somewhere).
+        A loss that is not finite on any process is not finite in the sum."""
+        acc = self.accelerator
+        keys = sorted(window)
+        flat = [window[k].double().reshape(1) for k in keys] + [x.detach().double().reshape(1) for x in losses]
+        flat.append(torch.tensor([float(tokens), float(bool(self._stop))], dtype=torch.float64).to(acc.device))
+        values = acc.reduce(torch.cat(flat), "sum").tolist()
+        return dict(zip(keys, values)), values[len(keys):-2], values[-2], values[-1] > 0
+
+    def _check_finite(self, losses: list[float], first_step: int) -> None:
+        """Raise NonFiniteLoss at the first micro-step whose loss (summed over processes) is NaN/inf."""
+        for i, value in enumerate(losses):
+            if not math.isfinite(value):
+                step, micro = first_step + i // self.config.batch.grad_accum, i % self.config.batch.grad_accum
+                raise NonFiniteLoss(
+                    f"loss is {value} at step {step} (micro-batch {micro}); stopped without saving. Last good "
+                    f"checkpoint: {_newest(self.out)}. Try a lower optim.lr, precision=fp32 or a smaller "
+                    "optim.grad_clip")
 
     # ---- the loop --------------------------------------------------------------------------------
     def train(self) -> dict[str, float]:
@@ -159,47 +204,57 @@ class Trainer:
         acc, c = self.accelerator, self.config
         bar = tqdm(total=self.total_steps, initial=self.step, disable=not acc.is_local_main_process,
                    desc="training", dynamic_ncols=True)
-        window: dict[str, float] = {}
-        window_tokens, window_start = 0, time.perf_counter()
+        sampler = StepSampler(self.stream, self.consumed, c.batch.size, self.world, acc.process_index,
+                              c.batch.grad_accum, self.lengths)
+        batches = train_batches(self.train_set, sampler, self.pad_id, loader_workers(c.data.loader_workers,
+                                acc.device), pin_memory=acc.device.type == "cuda")
+        window: dict[str, torch.Tensor] = {}  # metric sums on the device
+        losses: list[torch.Tensor] = []  # every micro-step's loss since the last sync
+        window_tokens, window_start, window_first = 0, time.perf_counter(), self.step + 1
         stopped = False
         with self._stop, contextlib.closing(bar):
             if c.logging.eval_every and self.step == 0:
                 self.evaluate()  # the baseline of the held-out acceptance curve
             self.model.train()
             while self.step < self.total_steps:
-                step_loss = 0.0
-                for micro in range(c.batch.grad_accum):
-                    start = micro_batch_start(self.consumed, micro, acc.process_index, c.batch.size, self.world)
-                    batch = self._batch(self.stream.rows(start, c.batch.size))
+                for _ in range(c.batch.grad_accum):
+                    host = next(batches)
+                    window_tokens += int(host["attention_mask"].sum())  # a host tensor: no device sync
+                    batch = self._batch(host)
                     with acc.accumulate(self.model):
                         loss, metrics = self._forward(batch)
-                        nonfinite, stop = self._sync_flags(not torch.isfinite(loss).item())
-                        if nonfinite:
-                            raise NonFiniteLoss(
-                                f"loss is {loss.item()} at step {self.step + 1} (micro-batch {micro}); stopped without "
-                                f"saving. Last good checkpoint: {_newest(self.out)}. Try a lower optim.lr, "
-                                "precision=fp32 or a smaller optim.grad_clip")
                         acc.backward(loss)
                         if acc.sync_gradients and c.optim.grad_clip > 0:
                             acc.clip_grad_norm_(self.model.parameters(), c.optim.grad_clip)
                         self.optimizer.step()
                         self.optimizer.zero_grad()
-                    step_loss += loss.item() / c.batch.grad_accum
-                    window_tokens += int(batch["attention_mask"].sum())
-                    _add(window, {k: v.item() for k, v in metrics.items()})
+                    losses.append(loss.detach())
+                    for k, v in metrics.items():
+                        window[k] = window[k] + v if k in window else v.detach().clone()
                 self.scheduler.step()
                 self.step += 1
                 self.consumed += self.global_batch
-                _add(window, {"loss": step_loss, "steps": 1.0})
                 bar.update(1)
-                if self.step % c.logging.every == 0 or self.step == self.total_steps:
+                log_now = self.step % c.logging.every == 0 or self.step == self.total_steps
+                save_now = self.step % c.checkpoint.every == 0
+                eval_now = bool(c.logging.eval_every) and self.step % c.logging.eval_every == 0 and (
+                    self.step < self.total_steps)
+                # one process acts on a stop at once; several agree on it at their next sync
+                if not (log_now or save_now or eval_now or (self.world == 1 and self._stop)):
+                    continue
+                sums, step_losses, tokens, stop = self._sync(window, losses, window_tokens)
+                self._check_finite(step_losses, window_first)
+                if log_now:
                     elapsed = time.perf_counter() - window_start
-                    logs = self._log_window(window, window_tokens, elapsed)
+                    sums["loss"] = sum(step_losses) / c.batch.grad_accum
+                    sums["steps"] = float(self.step - window_first + 1)
+                    logs = self._log_window(sums, tokens, elapsed)
                     bar.set_postfix(loss=f"{logs['train/loss']:.4f}", tau=f"{logs['train/tau']:.2f}")
-                    window, window_tokens, window_start = {}, 0, time.perf_counter()
-                if c.logging.eval_every and self.step % c.logging.eval_every == 0 and self.step < self.total_steps:
+                    window, window_tokens, window_start, window_first = {}, 0, time.perf_counter(), self.step + 1
+                    losses = []
+                if eval_now:
                     self.evaluate()
-                if self.step % c.checkpoint.every == 0:
+                if save_now:
                     self.save()
                 if stop:  # agreed by all ranks, so all save and leave together
                     stopped = True
@@ -216,22 +271,19 @@ class Trainer:
         self.save_final()
         return result
 
-    def _log_window(self, window: dict[str, float], tokens: int, elapsed: float) -> dict[str, float]:
-        """Reduce the window's sums over processes, log them, append to metrics.jsonl."""
+    def _log_window(self, total: dict[str, float], tokens: float, elapsed: float) -> dict[str, float]:
+        """Log a window's sums (already summed over processes; `loss` over micro-steps / grad_accum, `steps` the
+        window's optimizer steps), append to metrics.jsonl."""
         acc = self.accelerator
-        keys = sorted(window)
-        sums = acc.reduce(torch.tensor([window[k] for k in keys] + [float(tokens)], dtype=torch.float64,
-                                        device=acc.device), "sum").tolist()
-        total = dict(zip(keys, sums[:-1]))
-        steps = max(window["steps"], 1.0)
+        steps = max(total["steps"], 1.0)
         logs = {"train/loss": total["loss"] / (steps * self.world), "lr": self.scheduler.get_last_lr()[0],
-                "tokens_per_s": sums[-1] / max(elapsed, 1e-9), "peak_memory_mib": peak_memory_mib(acc.device)}
+                "tokens_per_s": tokens / max(elapsed, 1e-9), "peak_memory_mib": peak_memory_mib(acc.device)}
         logs.update({f"train/{k}": v for k, v in acceptance(total).items()})
         for k, v in total.items():
             if k.startswith("loss/"):
                 count = total.get(k.replace("loss/", "count/"), total["count/step0"])
                 logs[f"train/{k}"] = v / max(count, 1.0)
-        self.tokens_seen += int(sums[-1])
+        self.tokens_seen += int(tokens)
         self._emit(logs)
         return logs
 
@@ -252,15 +304,16 @@ class Trainer:
             return {}
         stream = ExampleStream(self.held_out, c.seed, shuffle=False)
         per_rank = max(1, min(c.logging.eval_batches, math.ceil(len(self.held_out) / c.batch.size)) // self.world)
-        totals: dict[str, float] = {}
+        totals: dict[str, torch.Tensor] = {}  # metric sums on the device: one sync at the end
         self.model.eval()
         for b in range(per_rank):
             start = micro_batch_start(b * c.batch.size * self.world, 0, acc.process_index, c.batch.size, self.world)
             _, metrics = self._forward(self._batch(stream.rows(start % len(self.held_out), c.batch.size)))
-            _add(totals, {k: v.item() for k, v in metrics.items()})
+            for k, v in metrics.items():
+                totals[k] = totals[k] + v if k in totals else v.clone()
         self.model.train()
         keys = sorted(totals)
-        sums = acc.reduce(torch.tensor([totals[k] for k in keys], dtype=torch.float64, device=acc.device), "sum")
+        sums = acc.reduce(torch.stack([totals[k].double() for k in keys]), "sum")
         result = {f"eval/{k}": v for k, v in acceptance(dict(zip(keys, sums.tolist()))).items()}
         self._emit(result)
         self.log(f"step {self.step}: held-out tau {result['eval/tau']:.3f}, acc "
@@ -307,11 +360,6 @@ class Trainer:
 
     def cleanup(self) -> None:
         self.accelerator.end_training()
-
-
-def _add(into: dict[str, float], values: dict[str, float]) -> None:
-    for k, v in values.items():
-        into[k] = into.get(k, 0.0) + v
 
 
 def _newest(output_dir: Path) -> str:

@@ -52,7 +52,8 @@ def launch(kind: str, config, env_extra=None, expect_ok=True, processes=2) -> su
                  f"distributed.expect_type={config.distributed.expect_type}",
                  f"distributed.target_placement={config.distributed.target_placement}"]
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", accel_config,
-           "--main_process_port", str(_free_port()), "--num_processes", str(processes), "-m", "eyas.train", "--config", str(TINY_CONFIG), *overrides]
+           "--main_process_port", str(_free_port()), "--num_processes", str(processes), "-m", "eyas.train",
+           "--config", str(TINY_CONFIG), *overrides]
     proc = subprocess.run(cmd, cwd=REPO, env={**os.environ, "WANDB_MODE": "offline", **env, **(env_extra or {})},
                           capture_output=True, text=True, timeout=600)
     if expect_ok:
@@ -136,7 +137,8 @@ def test_deepspeed_checkpoint_resumes_at_another_world_size(tmp_path):
     launch("deepspeed_zero2", tiny_run_config(out, "schedule.total_steps=3", "distributed.expect_processes=1",
                                               "distributed.expect_type=DEEPSPEED"), processes=1)
     proc = launch("deepspeed_zero2", tiny_run_config(out, "batch.size=2", "schedule.total_steps=6",
-                                                     "distributed.expect_processes=2", "distributed.expect_type=DEEPSPEED"))
+                                                     "distributed.expect_processes=2",
+                                                     "distributed.expect_type=DEEPSPEED"))
     assert "at step 3 (saved by 1 process(es), now 2)" in proc.stdout
     assert (out / "checkpoints" / "step-00000003" / checkpoint.UNIVERSAL).is_dir()
     run(tiny_run_config(tmp_path / "whole", "schedule.total_steps=6"))

@@ -137,8 +137,8 @@ def test_draft_vocab_can_be_counted_on_another_source(tmp_path, capsys):
     config = tiny_run_config(tmp_path / "run", "schedule.total_steps=1", "head.draft_vocab_size=48",
                              f"data.vocab_source={other}", "logging.eval_batches=0")
     run(config)
-    assert re.search(r"draft vocab: 48 tokens cover \d+\.\d% of training targets \(counted on .*other.jsonl: 100\.0% there\)",
-                     capsys.readouterr().out)
+    assert re.search(r"draft vocab: 48 tokens cover \d+\.\d% of training targets "
+                     r"\(counted on .*other.jsonl: 100\.0% there\)", capsys.readouterr().out)
     target = Target.load(config.target.spec)
     draft = read_vocab_map(tmp_path / "run" / "vocab_map.safetensors").draft_to_target
     ids = set(target.tokenizer.convert_tokens_to_ids(words))
