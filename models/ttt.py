@@ -52,7 +52,7 @@ class TTTAttention:
 
     def next_step(self, query_index: torch.Tensor, batch_sizes: list[int], keep: torch.Tensor) -> None:
         """The next step runs at packed rows with index query_index [P], batch_sizes[b] of them in batch
-        element b; keep [P_prev] bool: which rows of the previous step continue (in order)."""
+        element b; keep: which rows of the previous step continue, in order ([P_prev] bool or [P] indices)."""
         self.query_index, self.batch_sizes = query_index, batch_sizes
         self.step += 1
         for i, k in enumerate(self.chain_keys):
