@@ -14,7 +14,8 @@ FIELDS_HELP = "where rows keep the chat if not detected: conversation=COLUMN,rol
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("data", help="prepare data: tokenize, regenerate answers, build the draft vocab, cache hidden states",
+    p = sub.add_parser("data", help="prepare data: tokenize, regenerate answers, build the draft vocab, cache "
+                       "hidden states",
                        description="Data preparation for a given target. Typical order: prepare → vocab "
                        "(EAGLE-3) → train; optionally regenerate first (self-distillation) and cache-hidden "
                        "(offline hidden states).")
@@ -25,12 +26,14 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "covers assistant tokens. Conversations longer than --max-length keep their first "
                         "--max-length tokens (skipped if no assistant token is left). Writes OUT/train and "
                         "OUT/held_out (datasets save_to_disk) and prints how many rows were skipped and why.")
-    q.add_argument("--target", required=True, help="target spec (folder, .gguf, hub id or smollm2-135m); only its tokenizer is used")
+    q.add_argument("--target", required=True, help="target spec (folder, .gguf, hub id or smollm2-135m); only its "
+                   "tokenizer is used")
     q.add_argument("--source", default="sharegpt", help=SOURCE_HELP + " (default: sharegpt)")
     q.add_argument("--fields", default=None, help=FIELDS_HELP)
     q.add_argument("--out", required=True, help="output folder")
     q.add_argument("--max-length", type=int, default=2048, help="tokens per example (default: 2048)")
-    q.add_argument("--assistant-turns", choices=["all", "last"], default="all", help="which assistant turns are trained on")
+    q.add_argument("--assistant-turns", choices=["all", "last"], default="all",
+                   help="which assistant turns are trained on")
     q.add_argument("--held-out", type=float, default=0.02, help="held-out fraction (<1) or row count (default: 0.02)")
     q.add_argument("--seed", type=int, default=0, help="split seed")
     q.add_argument("--limit", type=int, default=None, help="use only the first N conversations")
@@ -73,8 +76,12 @@ def register(sub: argparse._SubParsersAction) -> None:
                    "errors, 408, 429 and 5xx, with exponential backoff (default: 5)")
     r.add_argument("--timeout", type=float, default=600.0, help="with --server: seconds per request (default: 600)")
     r.add_argument("--limit", type=int, default=None, help="only the first N conversations")
-    r.add_argument("--dtype", default="fp32", help="target dtype: fp32 (default; on CPUs without native bf16 "
-                   "batched bf16 is slow), bf16, fp16")
+    _device_options(r)
+    r.add_argument("--part", default=None, metavar="K/N", type=_part,
+                   help="regenerate only part K of N (the ids i with i %% N == K; K = 0..N-1), e.g. one per GPU or "
+                   "machine sharing the disk; the last part to finish merges all N into --out (and --cache-hidden). "
+                   "Under torchrun or accelerate launch each process takes its part (RANK/WORLD_SIZE) and its GPU "
+                   "(LOCAL_RANK) by itself")
     r.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice, one per "
                    "core); on a machine shared with other jobs, 1 avoids threads waiting on each other")
     r.add_argument("--cache-hidden", default=None, metavar="DIR",
@@ -105,7 +112,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     c.add_argument("--examples", required=True, help="folder written by `eyas data prepare`")
     c.add_argument("--split", default="train", choices=["train", "held_out"])
     c.add_argument("--out", required=True, help="cache folder")
-    _cache_options(c, "--cache-dtype", "--dtype")
+    _cache_options(c, "--cache-dtype")
+    _device_options(c)
     c.add_argument("--batch-size", type=int, default=8)
     c.set_defaults(func=_cache_hidden)
 
@@ -118,6 +126,45 @@ def _cache_options(p: argparse.ArgumentParser, *dtype_flags: str) -> None:
                    "what the head config uses)")
     p.add_argument(*dtype_flags, dest="cache_dtype", choices=["bf16", "fp16"], default="bf16",
                    help="storage dtype (default: bf16)")
+
+
+def _device_options(p: argparse.ArgumentParser) -> None:
+    """Where the target runs (regenerate, cache-hidden)."""
+    p.add_argument("--device", default=None, help="cpu, cuda, cuda:N, or auto (the target split over every visible "
+                   "GPU); default: cuda when a GPU is visible (under a launcher, the process's own GPU), else cpu")
+    p.add_argument("--dtype", default="auto", choices=["auto", "fp32", "bf16", "fp16"],
+                   help="target dtype (default auto: bf16 on a GPU, fp32 on a CPU, where batched bf16 is slow "
+                   "without native bf16)")
+
+
+def _part(text: str) -> tuple[int, int]:
+    try:
+        k, n = (int(x) for x in text.split("/"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected K/N (e.g. 0/4), got {text!r}") from None
+    if not 0 <= k < n:
+        raise argparse.ArgumentTypeError(f"part {text}: K must be in 0..N-1")
+    return k, n
+
+
+def _launch(args: argparse.Namespace) -> tuple[int, int] | None:
+    """The part of this process (--part, else the launcher's RANK/WORLD_SIZE) and, under a launcher, its GPU."""
+    import os
+
+    import torch
+
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world > 1 and args.device is None and torch.cuda.is_available():
+        args.device = f"cuda:{os.environ.get('LOCAL_RANK', '0')}"
+    if getattr(args, "part", None) is None and world > 1:
+        return int(os.environ["RANK"]), world
+    return getattr(args, "part", None)
+
+
+def _load_target(args: argparse.Namespace):
+    from eyas.models import Target
+
+    return Target.load(args.target, dtype=args.dtype, device=args.device)
 
 
 def _cache_layers(args: argparse.Namespace, target) -> tuple[int, ...]:
@@ -191,9 +238,8 @@ def _vocab(args: argparse.Namespace) -> int:
 
 def _cache_hidden(args: argparse.Namespace) -> int:
     from eyas.data.hidden_cache import cache_hidden
-    from eyas.models import Target
 
-    target = Target.load(args.target)
+    target = _load_target(args)
     cache_hidden(target, _load_examples(args.examples, args.split), args.out, _cache_layers(args, target),
                  args.cache_dtype, args.batch_size)
     print(f"hidden-state cache complete: {args.out}")
@@ -206,8 +252,8 @@ def _regenerate(args: argparse.Namespace) -> int:
     from eyas.data.regen_store import regenerate_jsonl
     from eyas.data.regenerate import RegenConfig
     from eyas.data.sources import load_conversations
-    from eyas.models import Target
 
+    part = _launch(args)
     if args.threads:
         torch.set_num_threads(args.threads)
     cfg = RegenConfig(args.max_new_tokens, args.temperature, args.top_p, args.seed, args.max_length, args.max_turns)
@@ -222,7 +268,7 @@ def _regenerate(args: argparse.Namespace) -> int:
                               args.timeout, os.environ.get("OPENAI_API_KEY"))
         target, engine = None, ServerEngine(server, tok, cfg, target_eos_ids(args.target, tok))
     else:
-        target, engine = Target.load(args.target, dtype=args.dtype), None
+        target, engine = _load_target(args), None
     convs, info = load_conversations(args.source, args.fields)
     print(info)
     if args.limit is not None:
@@ -230,10 +276,11 @@ def _regenerate(args: argparse.Namespace) -> int:
     stats = regenerate_jsonl(target, convs, args.out, cfg, args.batch_size,
                              layer_ids=_cache_layers(args, target) if cache and target else None,
                              cache_hidden=args.cache_hidden, cache_dtype=args.cache_dtype,
-                             shard_examples=args.shard_examples, engine=engine)
+                             shard_examples=args.shard_examples, engine=engine, part=part)
     skipped = "".join(f"; skipped {n} ({why})" for why, n in sorted(stats.skipped.items()))
+    where = args.out if part is None else f"part {part[0]}/{part[1]} of {args.out}"
     print(f"regenerated {stats.conversations} conversations, {stats.useful_tokens} tokens in {stats.seconds:.1f} s: "
-          f"{stats.tokens_per_s:.1f} useful tokens/s{skipped} -> {args.out} ({stats.stored} conversations)")
+          f"{stats.tokens_per_s:.1f} useful tokens/s{skipped} -> {where} ({stats.stored} conversations)")
     if cache:
         print(f"hidden states of {stats.state_tokens} tokens -> {args.cache_hidden} "
               f"({stats.mask_fallbacks} examples masked on their final answer only: re-tokenizing changed them)")

@@ -20,6 +20,7 @@ import bisect
 import hashlib
 import json
 import logging
+import os
 import shutil
 from dataclasses import asdict
 from pathlib import Path
@@ -142,6 +143,45 @@ def stored_shards(folder: str | Path) -> list[tuple[list[int], dict[str, str]]]:
             ids = f.get_tensor("ids").tolist() if "ids" in f.keys() else []
             out.append((ids, f.metadata() or {}))
     return out
+
+
+def append_cache(dest: str | Path, source: str | Path) -> int:
+    """Add the examples of the complete cache `source` that `dest` does not hold yet (by the shards' dataset ids)
+    to `dest` (created with source's metadata if missing; refused if that differs), shard by shard: each shard file
+    is linked (or copied) under dest's next shard name, then listed in dest's index.json. Rerunning after a kill
+    adds only what is missing. Returns the examples added. `source` is left as it was."""
+    dest, source = Path(dest), Path(source)
+    src = json.loads((source / INDEX).read_text())
+    if not src["complete"]:
+        raise ValueError(f"hidden-state cache {source} is incomplete; finish the run that writes it first")
+    meta = {k: v for k, v in src.items() if k not in ("num_examples", "shards", "complete")}
+    index = {**meta, "num_examples": 0, "shards": [], "complete": False}
+    if (dest / INDEX).is_file():
+        index = json.loads((dest / INDEX).read_text())
+        differs = [k for k in meta if index.get(k) != meta[k]]
+        if differs:
+            raise ValueError(f"{dest} holds a hidden-state cache for a different {', '.join(differs)} than {source}")
+    dest.mkdir(parents=True, exist_ok=True)
+    have = {i for ids, _ in stored_shards(dest) for i in ids}
+    added = 0
+    for shard, (ids, _) in zip(src["shards"], stored_shards(source)):
+        if ids and set(ids) <= have:
+            continue  # added by an earlier, interrupted merge
+        name = _shard_name(len(index["shards"]))
+        (dest / name).unlink(missing_ok=True)  # left by a kill between link and index
+        try:
+            os.link(source / shard["file"], dest / name)
+        except OSError:  # another file system
+            shutil.copyfile(source / shard["file"], dest / name)
+        index["shards"].append({"file": name, "first": index["num_examples"], "count": shard["count"]})
+        index["num_examples"] += shard["count"]
+        added += shard["count"]
+        with atomic_file(dest / INDEX) as f:
+            json.dump(index, f, indent=1)
+    index["complete"] = True
+    with atomic_file(dest / INDEX) as f:
+        json.dump(index, f, indent=1)
+    return added
 
 
 def cache_hidden(target: Target, dataset: datasets.Dataset, folder: str | Path, layer_ids: Sequence[int] = (),

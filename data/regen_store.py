@@ -8,9 +8,11 @@ its conversations' JSONL lines, and the JSONL gets them only once the shard is w
 
 from __future__ import annotations
 
+import fcntl
 import json
 import logging
 import os
+import shutil
 from dataclasses import asdict
 from pathlib import Path
 from typing import Callable, Sequence
@@ -79,7 +81,7 @@ def regenerate_jsonl(target: Target | None, conversations, out: str | Path, cfg:
                      layer_ids: Sequence[int] | None = None, on_done: Callable[[Job], None] = lambda job: None,
                      eos_ids: Sequence[int] | None = None, progress: bool = True,
                      cache_hidden: str | Path | None = None, cache_dtype: str = "bf16", shard_examples: int = 128,
-                     engine: Engine | None = None) -> RegenStats:
+                     engine: Engine | None = None, part: tuple[int, int] | None = None) -> RegenStats:
     """Regenerate a canonical conversations dataset (see sources.py) into `out` (JSONL), resumably.
 
     Row ids are the dataset's row indices, so rerunning on the same source continues where a
@@ -100,7 +102,36 @@ def regenerate_jsonl(target: Target | None, conversations, out: str | Path, cfg:
     (exit status 130 / 143; what is on disk stays consistent). The previous handlers are restored.
 
     engine: generate with it instead of `target` (None then); it captures no states, so no cache_hidden.
+
+    part (k, n): this process regenerates only the ids i with i % n == k, into its own part beside `out` (and
+    `cache_hidden`), resumable as a whole run is; once every part is finished, the one that finishes last merges
+    them all into `out` and `cache_hidden` (see merge_parts). n processes (GPUs, machines sharing the disk) with
+    k = 0..n-1 thus regenerate the source once between them.
     """
+    out, skip, residue, modulus = Path(out), frozenset(), 0, 1
+    final, final_cache = out, cache_hidden
+    if part is not None:
+        residue, modulus = part
+        if not 0 <= residue < modulus:
+            raise InputError(f"part {residue}/{modulus}: the part must be in 0..{modulus - 1}")
+        parts = parts_folder(out)
+        parts.mkdir(parents=True, exist_ok=True)
+        skip = frozenset(written_ids(out))  # merged already (by an earlier split or whole run)
+        out = parts / f"{residue}-of-{modulus}.jsonl"
+        cache_hidden = None if cache_hidden is None else parts / f"{residue}-of-{modulus}.hidden"
+    stats = _regenerate(target, conversations, out, cfg, batch_size, layer_ids, on_done, eos_ids, progress,
+                        cache_hidden, cache_dtype, shard_examples, engine, residue, modulus, skip)
+    if part is not None and stats.stopped_by is None:
+        (parts / f"{residue}-of-{modulus}.done").touch()
+        if merge_parts(final, final_cache, modulus):
+            stats.stored = len(written_ids(final))
+    return stats
+
+
+def _regenerate(target, conversations, out: Path, cfg: RegenConfig, batch_size, layer_ids, on_done, eos_ids,
+                progress, cache_hidden, cache_dtype, shard_examples, engine, residue: int, modulus: int,
+                skip: frozenset[int]) -> RegenStats:
+    """regenerate_jsonl's work for the ids i % modulus == residue that are not in `skip`."""
     if engine is not None and cache_hidden is not None:
         raise InputError("a serving engine returns text, not target states: regenerate without --cache-hidden, "
                          "then run `eyas data cache-hidden` (or train with online hidden states)")
@@ -126,7 +157,8 @@ def regenerate_jsonl(target: Target | None, conversations, out: str | Path, cfg:
             raise ValueError(f"{out} holds {len(done - cached)} conversations that are not in the hidden-state cache "
                              f"{writer.folder} (written without --cache-hidden?): use another output file, or "
                              "regenerate without --cache-hidden and run `eyas data cache-hidden` afterwards")
-    todo = [(i, r["messages"]) for i, r in enumerate(conversations) if not r["problem"] and i not in done]
+    todo = [(i, r["messages"]) for i, r in enumerate(conversations) if not r["problem"] and i not in done
+            and i % modulus == residue and i not in skip]
     if done:
         logger.info("%s: %d conversations already written, %d to go", out, len(done), len(todo))
     buffer: list[tuple[str, Job, tuple[list[int], list[int], bool]]] = []
@@ -178,3 +210,47 @@ def regenerate_jsonl(target: Target | None, conversations, out: str | Path, cfg:
                 writer.finish()
     stats.mask_fallbacks, stats.stored = fallbacks, len(done)
     return stats
+
+
+def parts_folder(out: Path) -> Path:
+    """Where the parts of a split regeneration into `out` are written until they are merged."""
+    return out.with_name(out.name + ".parts")
+
+
+def merge_parts(out: str | Path, cache_hidden: str | Path | None, n: int) -> bool:
+    """If all n parts of a split regeneration into `out` are finished, append them to `out` (and their caches to
+    `cache_hidden`: the cache first, it is the source of truth) and remove them; True if merged here. Safe to run
+    from several processes at once (one merges, under a lock) and to rerun after a kill (it adds only what `out`
+    and the cache lack)."""
+    from eyas.data.hidden_cache import append_cache
+
+    out = Path(out)
+    parts = parts_folder(out)
+    names = [f"{k}-of-{n}" for k in range(n)]
+    if not all((parts / f"{name}.done").is_file() for name in names):
+        return False
+    try:
+        lock = open(parts / "merge.lock", "a")
+    except FileNotFoundError:  # merged (and removed) by another process meanwhile
+        return False
+    with lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return False  # another process is merging
+        if not all((parts / f"{name}.done").is_file() for name in names):
+            return False
+        if cache_hidden is not None:
+            for name in names:
+                append_cache(cache_hidden, parts / f"{name}.hidden")
+        done = written_ids(out)
+        with open(out, "a", encoding="utf-8") as f:
+            for name in names:
+                for line in (parts / f"{name}.jsonl").read_text(encoding="utf-8").splitlines():
+                    if json.loads(line)["id"] not in done:
+                        f.write(line + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        shutil.rmtree(parts)
+    logger.info("merged %d parts into %s", n, out)
+    return True

@@ -231,7 +231,9 @@ class Scheduler:
                 too_long = ids is not None and len(ids) >= self.cfg.max_length
                 if ids is not None and not too_long:
                     if job.generator is None and self.sampling.temperature > 0:
-                        job.generator = torch.Generator(self.target.device).manual_seed(self.cfg.seed * 1_000_003 + job.id)
+                        # on the device of the logits it samples from (the lm_head's: a split target's last GPU)
+                        device = self.target.lm_head.weight.device
+                        job.generator = torch.Generator(device).manual_seed(self.cfg.seed * 1_000_003 + job.id)
                     job.prompt, job.generated, job.states = ids, [], []
                     self.slots[row] = job
                     return ids
