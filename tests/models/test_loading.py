@@ -1,0 +1,38 @@
+"""Loading targets: device and dtype defaults follow the device; a target without its decoder layers (offline
+training) reads none of them and still computes the model's own logits."""
+
+import pytest
+import torch
+
+from eyas.models import Target
+from eyas.models.errors import InputError
+from eyas.models.loading import default_dtype, placement
+from tests.helpers.tiny import tiny_model, tiny_tokenizer
+
+
+def test_dtype_follows_the_device():
+    assert default_dtype("cuda") == default_dtype("cuda:1") == "bf16" and default_dtype("cpu") == "fp32"
+    device, dtype = placement(None, "auto")
+    assert (device, dtype) == (("cuda", "bf16") if torch.cuda.is_available() else ("cpu", "fp32"))
+    assert placement("cpu", "bf16") == ("cpu", "bf16")  # an explicit dtype is kept
+    if not torch.cuda.is_available():
+        with pytest.raises(InputError, match="no CUDA GPU"):
+            placement("cuda", None)
+        assert placement("auto", None) == ("cpu", "fp32")  # auto = every visible GPU; none here
+    with pytest.raises(InputError, match="unknown device"):
+        placement("gpu0", None)
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_a_target_without_decoder_layers_gives_the_models_own_logits(tmp_path, tied):
+    tiny_model(tied=tied).save_pretrained(tmp_path / "t")
+    tiny_tokenizer().save_pretrained(tmp_path / "t")
+    full = Target.load(str(tmp_path / "t"))
+    light = Target.load(str(tmp_path / "t"), decoder=False)
+    assert all(p.device.type == "meta" for p in light._layers.parameters())
+    assert all(p.device.type == "cpu" for n, p in light.model.named_parameters() if ".layers." not in n)
+    assert (light.lm_head.weight is light.embed_tokens.weight) == tied
+    hidden = torch.randn(2, 5, full.hidden_size)
+    torch.testing.assert_close(light.logits(hidden), full.logits(hidden), rtol=1e-5, atol=1e-5)
+    ids = torch.randint(0, 320, (2, 5))
+    assert torch.equal(light.embed_tokens(ids), full.embed_tokens(ids))
