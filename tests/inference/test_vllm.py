@@ -1,0 +1,103 @@
+"""An exported head in vLLM: it loads, its greedy output equals vLLM's plain greedy (and transformers'), and every
+draft vLLM proposes equals the chain eyas's own head drafts from the same context.
+
+Runs only where vLLM is installed: set EYAS_VLLM_PYTHON to the python of its environment (docs/runtimes.md).
+Three engine starts (plain, two heads) in eager mode: a few minutes on a 2-core CPU."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from eyas.inference.runtimes_vllm import VllmSettings, export_for_vllm, run_vllm, vllm_python
+from eyas.models import DraftHead, Target, save_head
+from eyas.models.head_config import head_config_for
+from tests.helpers.tiny import tiny_tokenizer
+
+PYTHON = vllm_python()
+pytestmark = pytest.mark.skipif(PYTHON is None, reason="vLLM is not installed (set EYAS_VLLM_PYTHON)")
+
+K = 3  # draft tokens per step
+SETTINGS = VllmSettings(max_new_tokens=24, eos_token_ids=(3,), num_speculative_tokens=K, threads=2,
+                        max_model_len=512, enforce_eager=True, kv_cache_gib=1, record_drafts=True, timeout_s=1200)
+PROMPTS = [[2, 5, 77, 140, 9, 201, 33, 18], [2, 250, 251, 12, 90, 7, 7, 61, 150, 44, 3, 19, 250]]
+# (head config changes, draft vocab): a reduced vocab with fused layers eyas must sort and pad (and the
+# norm_before_residual variant), and a permuted full vocab written without maps (lm_head rows reordered)
+HEADS = {"reduced": (dict(fused_layer_ids=(6, 2), norm_before_residual=True), 100),
+         "full": (dict(num_layers=2), 320)}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("vllm")
+    config = LlamaConfig(vocab_size=320, hidden_size=128, intermediate_size=256, num_hidden_layers=8,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=32,  # vLLM's CPU attention: >= 32
+                         max_position_embeddings=512, pad_token_id=1, eos_token_id=3, bos_token_id=2)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config).eval()
+    model.save_pretrained(tmp / "target")
+    tiny_tokenizer().save_pretrained(tmp / "target")
+    target = Target(model, tiny_tokenizer(), str(tmp / "target"))
+    heads, results = {}, {"plain": run_vllm(PYTHON, str(tmp / "target"), PROMPTS, SETTINGS)}
+    for name, (fields, vocab) in HEADS.items():
+        fields = dict(fields)
+        torch.manual_seed(1)
+        base = head_config_for(target, "eagle3", vocab, fields.pop("fused_layer_ids", None),
+                               fields.pop("num_layers", 1))
+        head = DraftHead(dataclasses.replace(base, **fields), target)
+        with torch.no_grad():
+            for p in head.parameters():
+                p.add_(torch.randn_like(p) * 0.05)
+        head.set_vocab_map(torch.randperm(320)[:vocab])
+        save_head(head, tmp / f"{name}-eyas")
+        export_for_vllm(tmp / f"{name}-eyas", tmp / f"{name}-vllm", target)
+        heads[name] = head
+        results[name] = run_vllm(PYTHON, str(tmp / "target"), PROMPTS, SETTINGS, tmp / f"{name}-vllm")
+    return target, heads, results
+
+
+def eyas_chain(target, head, context: list[int], k: int) -> list[int]:
+    """The k tokens eyas's head drafts greedily after `context` (its last token is the root), EAGLE-shifted:
+    token t+1 goes with the target's feature at position t."""
+    ids = torch.tensor([context])
+    feats = target(ids, layer_ids=head.config.fused_layer_ids).features
+    tokens, hidden = ids[:, 1:], head.fuse(feats[:, :-1])
+    drafts = []
+    for _ in range(k):
+        out = head(tokens, hidden, torch.arange(tokens.shape[1])[None])
+        drafts.append(int(head.to_target_ids(out.logits[0, -1].argmax())))
+        tokens = torch.cat([tokens, torch.tensor([[drafts[-1]]])], dim=1)
+        hidden = torch.cat([hidden, out.hidden[:, -1:]], dim=1)
+    return drafts
+
+
+@pytest.mark.parametrize("name", list(HEADS))
+def test_exported_head_is_lossless_in_vllm(runs, name):
+    target, _, results = runs
+    for prompt, plain, spec in zip(PROMPTS, results["plain"].rows, results[name].rows):
+        reference = target.model.generate(torch.tensor([prompt]), max_new_tokens=SETTINGS.max_new_tokens,
+                                          do_sample=False, eos_token_id=3, pad_token_id=1)[0, len(prompt):].tolist()
+        assert plain.tokens == reference  # vLLM's plain greedy is transformers' greedy on this target
+        assert spec.tokens == plain.tokens  # and speculation through the exported head keeps it
+        assert spec.drafts > 0 and spec.draft_tokens == K * spec.drafts
+
+
+@pytest.mark.parametrize("name", list(HEADS))
+def test_vllm_drafts_equal_eyas_drafts(runs, name):
+    """Step c of vLLM drafts after prompt + output[:m_c] (m_0 = 1: the prefill samples the first token); it gains
+    the drafts that match the output, plus one."""
+    target, heads, results = runs
+    compared = 0
+    for prompt, row in zip(PROMPTS, results[name].rows):
+        out, m = row.tokens, 1
+        for proposal in row.proposals:
+            if m >= len(out):
+                break  # drafted after the last token: never verified
+            assert proposal == eyas_chain(target, heads[name], prompt + out[:m], K), (prompt, m)
+            compared += 1
+            accepted = next((j for j in range(K) if m + j >= len(out) or proposal[j] != out[m + j]), K)
+            m += accepted + 1
+    assert compared >= 20
