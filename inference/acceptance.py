@@ -55,7 +55,8 @@ def penalized(logits: torch.Tensor, tree: DraftTree, ancestors: torch.Tensor, se
 
 @dataclass
 class Accepted:
-    path: torch.Tensor  # [B, A] node indices root..last accepted node, left-aligned (padded after with the last)
+    path: torch.Tensor  # [B, A] node indices root..last accepted node, left-aligned (padded after with the last);
+    # A = the tree's height + 1 (its max_depth), which may exceed every row's length
     length: torch.Tensor  # [B] nodes on the path = accepted drafts + 1 = tokens gained this cycle
     bonus: torch.Tensor  # [B] y at the last accepted node: the next root
 
@@ -70,10 +71,11 @@ def accept(tree: DraftTree, y: torch.Tensor, ancestors: torch.Tensor) -> Accepte
     match = tree.tokens == y.gather(1, parent)  # [B, N]: node i is the target's choice after its parent
     match[:, 0] = True
     ok = match.clone()
-    for _ in range(int(tree.depth.max())):  # a node is accepted iff every node on its path matches
+    height = tree.max_depth
+    for _ in range(height):  # a node is accepted iff every node on its path matches
         ok = match & ok.gather(1, parent)
     depth = torch.where(ok, tree.depth, -1)
     last = depth.argmax(1)  # the deepest accepted node
     length = depth.max(1).values + 1
-    path = path_to(ancestors, last, int(length.max()))
+    path = path_to(ancestors, last, height + 1)  # as wide as the longest path can be: no device read
     return Accepted(path=path, length=length, bonus=y.gather(1, last[:, None])[:, 0])

@@ -1,16 +1,24 @@
-"""What a cycle costs on this machine: a target forward over k tokens, a plain one-token forward, a draft step.
+"""What a cycle costs on this machine, re-measured as it runs.
 
-`calibrate` measures them once, on a scratch cache filled with a real prompt (never the live one), and
-returns a CostModel; the planner starts from it. Target forwards over k >= 2 tokens are fitted as
-a + b * k: measured costs on a busy machine are noisy, and a two-parameter fit cannot reward a size for
-a lucky timing. One-token forwards are timed apart (CPU kernels for one row differ). On a GPU the cost is
-flat up to tens of tokens, so trees are large; on a CPU a few nodes.
+A cycle is the head's draft (a catch-up over the tokens accepted since the head last ran, then one head
+forward per level below the first), then the rest: the lookup branch, one target forward over the tree's
+k = nodes + 1 tokens (k = 1 is plain decoding, a cheaper forward without a mask), acceptance and
+bookkeeping. Each part is a small linear model in what it scales with, L being the context length in
+thousands of tokens:
+- plain cycle:       p0 + p1 * L
+- speculative rest:  a + b * k + c * L + d * k * L
+- draft:             s0 + s1 * (levels - 1) + s2 * (catch-up tokens - 1)
+Every cycle's measured times refit them (`CostModel.observe`): least squares with coefficients >= 0 (a
+lucky timing must not make bigger trees look cheaper), older cycles forgotten geometrically (costs move
+with the context and with whatever else the machine runs), one outlier clipped (a stall elsewhere on the
+machine is not the cycle's cost), shrunk toward the starting point where the cycles have not shown
+otherwise. `calibrate` measures that starting point once, on a scratch cache filled with a real prompt.
+On a GPU the verify is flat up to tens of tokens, so trees are large; on a CPU a few nodes.
 """
 
 from __future__ import annotations
 
 import logging
-from dataclasses import asdict, dataclass
 from typing import Sequence
 
 import numpy as np
@@ -24,21 +32,118 @@ from .timing import Stopwatch, synchronize
 logger = logging.getLogger(__name__)
 
 SIZES = (1, 2, 4, 8, 16, 32)  # tokens per target forward that are timed: 1 = plain decoding, a tree verify >= 2
+PER_TOKEN = 1e-3  # context lengths enter the fits in thousands of tokens
 
 
-@dataclass(frozen=True)
+class LinearFit:
+    """y ~ x . theta with theta >= 0: geometrically forgotten least squares, shrunk toward a prior.
+
+    prior: the starting coefficients; scale: each feature's typical magnitude, so that the prior weighs as
+    much as `strength` observations in every direction at first; decay: the weight an observation keeps per
+    later one. The prior is forgotten like an observation down to `floor` of its weight: enough to hold the
+    directions the observations never vary in (the context length, within a few cycles), too little to
+    bias the ones they do."""
+
+    def __init__(self, prior: Sequence[float], scale: Sequence[float], strength: float = 3.0,
+                 decay: float = 0.97, clip: float = 4.0, floor: float = 0.02) -> None:
+        self.prior = np.asarray(prior, dtype=float)
+        self._precision = np.diag(np.square(np.asarray(scale, dtype=float)))
+        self._weight, self._floor = strength, floor * strength
+        self._xx = np.zeros((len(prior), len(prior)))
+        self._xy = np.zeros(len(prior))
+        self.decay, self.clip = decay, clip
+        self.theta = self.prior.copy()
+        self.seen = 0
+
+    def __call__(self, x: np.ndarray) -> np.ndarray:
+        """Predictions for features x [..., F] (never negative)."""
+        return np.maximum(np.asarray(x, dtype=float) @ self.theta, 0.0)
+
+    def observe(self, x: Sequence[float], y: float) -> None:
+        x = np.asarray(x, dtype=float)
+        y = min(float(y), self.clip * float(self(x)) + 1e-6) if self.seen else float(y)
+        self._xx = self.decay * self._xx + np.outer(x, x)
+        self._xy = self.decay * self._xy + x * y
+        self._weight = max(self.decay * self._weight, self._floor)
+        self.seen += 1
+        prior = self._weight * self._precision
+        self.theta = _nonnegative_solve(prior + self._xx, prior @ self.prior + self._xy)
+
+
+def _nonnegative_solve(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """argmin of x'Ax/2 - b'x over x >= 0 (A positive definite, a few unknowns): active set, one variable at a time."""
+    free = np.ones(len(b), dtype=bool)
+    x = np.zeros(len(b))
+    for _ in range(len(b)):
+        x[:] = 0.0
+        x[free] = np.linalg.solve(a[np.ix_(free, free)], b[free])
+        if (x >= 0).all():
+            return x
+        free[np.argmin(np.where(free, x, np.inf))] = False
+    return np.maximum(x, 0.0)
+
+
 class CostModel:
-    verify_s: float  # a: fixed seconds of a verify forward over k >= 2 tokens ...
-    verify_s_per_token: float  # b: ... plus this per token
-    plain_s: float  # a one-token forward (plain decoding)
-    draft_step_s: float  # one head forward (catch-up or one draft level)
+    """Seconds of the parts of a cycle at a context length, starting from one calibration, refit by every cycle.
 
-    def verify(self, nodes: int) -> float:
-        """Seconds of the target forward of a cycle that verifies `nodes` draft nodes (0: plain decoding)."""
-        return self.plain_s if nodes == 0 else self.verify_s + self.verify_s_per_token * (nodes + 1)
+    The four numbers are the starting point: a target forward over k >= 2 tokens costs verify_s +
+    verify_s_per_token * k, a plain cycle plain_s, a draft of one level after one new token draft_step_s,
+    and every further level as much again. Context lengths start without a cost of their own.
+    learn=False keeps them (a fixed machine: tests, and replays under one cost model)."""
+
+    def __init__(self, verify_s: float, verify_s_per_token: float, plain_s: float, draft_step_s: float,
+                 decay: float = 0.97, strength: float = 3.0, learn: bool = True) -> None:
+        self.start = dict(verify_s=verify_s, verify_s_per_token=verify_s_per_token, plain_s=plain_s,
+                          draft_step_s=draft_step_s)
+        self.learn = learn
+        fit = dict(decay=decay, strength=strength)
+        self._plain = LinearFit([plain_s, 0.0], [1.0, 0.5], **fit)
+        self._verify = LinearFit([verify_s, verify_s_per_token, 0.0, 0.0], [1.0, 8.0, 0.5, 4.0], **fit)
+        # a catch-up token costs a head forward's share of a wider batch: 1/8 of a step to start with
+        self._draft = LinearFit([draft_step_s, draft_step_s, draft_step_s / 8], [1.0, 3.0, 4.0], **fit)
+
+    # ---- what a cycle costs ---------------------------------------------------------------------
+    def verify(self, nodes: int | np.ndarray, context: int) -> np.ndarray | float:
+        """Seconds of a cycle but its draft when it verifies `nodes` draft nodes (0: a plain cycle) after
+        `context` tokens. nodes may be an array."""
+        n = np.asarray(nodes, dtype=float)
+        L = context * PER_TOKEN
+        k = n + 1
+        spec = self._verify(np.stack([np.ones_like(k), k, np.full_like(k, L), k * L], -1))
+        plain = self._plain(np.array([1.0, L]))
+        out = np.where(n == 0, plain, spec)
+        return float(out) if out.ndim == 0 else out
+
+    def draft(self, levels: int, catchup: int) -> float:
+        """Seconds of a draft of `levels` levels after `catchup` tokens the head has not seen (0 levels: none)."""
+        if levels <= 0:
+            return 0.0
+        return float(self._draft(np.array([1.0, levels - 1, max(catchup - 1, 0)])))
+
+    def cycle(self, nodes: int, levels: int, catchup: int, context: int) -> float:
+        return self.draft(levels, catchup) + self.verify(nodes, context)
+
+    # ---- learning -----------------------------------------------------------------------------
+    def observe(self, nodes: int, levels: int, catchup: int, context: int, draft_s: float, rest_s: float) -> None:
+        """One cycle's measured seconds: its draft (levels > 0) and the rest of it."""
+        if not self.learn:
+            return
+        L = context * PER_TOKEN
+        if levels > 0:
+            self._draft.observe([1.0, levels - 1, max(catchup - 1, 0)], draft_s)
+        if nodes == 0:
+            if levels == 0:  # a draft that verified nothing still did a drafted cycle's bookkeeping: not plain
+                self._plain.observe([1.0, L], rest_s)
+        else:
+            k = nodes + 1
+            self._verify.observe([1.0, k, L, k * L], rest_s)
 
     def describe(self) -> dict[str, float]:
-        return asdict(self)
+        """The starting point and the current fits, for reports."""
+        p, v, d = self._plain.theta, self._verify.theta, self._draft.theta
+        return {**self.start, "plain_s_now": p[0], "plain_s_per_1k_context": p[1], "verify_s_now": v[0],
+                "verify_s_per_token_now": v[1], "verify_s_per_1k_context": v[2], "verify_s_per_token_1k_context": v[3],
+                "draft_step_s_now": d[0], "draft_level_s_now": d[1], "draft_catchup_s_per_token_now": d[2]}
 
 
 def fit_cost(costs: dict[int, float]) -> tuple[float, float]:
@@ -70,7 +175,9 @@ def measure_target(target: Target, prompt: Sequence[int], sizes: Sequence[int] =
         for k in sizes:
             ids = torch.zeros(1, k, dtype=torch.long, device=dev)
             pos = cache.lengths[:, None] + torch.arange(k, device=dev)
-            allowed = None if k == 1 else after_history(cache.lengths, causal(k, dev)[None], cache.width + k)
+            # a target that verifies chains only does so with its own masks (allowed None), as the generator does
+            chain = k == 1 or target.verify_mode() == "chain"
+            allowed = None if chain else after_history(cache.lengths, causal(k, dev)[None], cache.width + k)
             synchronize(dev)
             start = clock.mark()
             target(ids, pos, cache, allowed)
@@ -81,7 +188,7 @@ def measure_target(target: Target, prompt: Sequence[int], sizes: Sequence[int] =
 
 
 def calibrate(target: Target, drafter, prompt: Sequence[int], depth: int) -> CostModel:
-    """The cost model of a cycle on this machine, measured on scratch caches filled with `prompt`."""
+    """The starting cost model of a cycle on this machine, measured on scratch caches filled with `prompt`."""
     from .drafter import DraftContext
 
     costs = measure_target(target, prompt)
@@ -94,7 +201,8 @@ def calibrate(target: Target, drafter, prompt: Sequence[int], depth: int) -> Cos
     features = out.features if drafter.head.config.fused_layer_ids else out.hidden
     n = ids.shape[1] - 1
     drafter.reset(1, len(prompt) + 2 * depth + 4)
-    drafter.draft(DraftContext(ids[:, 1:], features, torch.arange(n, device=dev)[None], [n]), depth)  # untimed: the prompt
+    # untimed: the prompt
+    drafter.draft(DraftContext(ids[:, 1:], features, torch.arange(n, device=dev)[None], [n]), depth)
     last = DraftContext(ids[:, -1:], features[:, -1:], torch.tensor([[n]], device=dev), [1])
     clock = Stopwatch(dev)
     synchronize(dev)
@@ -102,6 +210,6 @@ def calibrate(target: Target, drafter, prompt: Sequence[int], depth: int) -> Cos
     drafter.draft(last, depth)
     end = clock.mark()
     model = CostModel(a, b, plain_s, clock.between(start, end) / depth)
-    logger.info("cycle costs on this machine: plain forward %.1f ms, verify %.1f ms + %.2f ms/token, draft step %.1f ms",
-                1e3 * plain_s, 1e3 * a, 1e3 * b, 1e3 * model.draft_step_s)
+    logger.info("cycle costs on this machine to start from: plain forward %.1f ms, verify %.1f ms + %.2f ms/token, "
+                "draft step %.1f ms", 1e3 * plain_s, 1e3 * a, 1e3 * b, 1e3 * model.start["draft_step_s"])
     return model

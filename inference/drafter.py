@@ -13,7 +13,7 @@ are verified is the caller's choice (the planner's, or TreeOptions' fixed size).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Literal, Protocol
+from typing import Callable, Literal, Protocol, Sequence
 
 import torch
 from torch import nn
@@ -98,22 +98,29 @@ class DraftContext:
         i = torch.tensor(index, device=self.tokens.device)
         return DraftContext(self.tokens[i], self.features[i], self.positions[i], [self.counts[r] for r in index])
 
-    def then(self, later: "DraftContext") -> "DraftContext":
-        """This context followed by a later one (the head skipped a cycle: it catches up on both at once)."""
-        a = self.tokens.shape[1]
-        width = max(c + d for c, d in zip(self.counts, later.counts))
-        col = torch.arange(width, device=self.tokens.device)
-        first = torch.tensor(self.counts, device=col.device)[:, None]
-        # column j of row b: self's entry j while j < counts[b], then later's entry j - counts[b]
-        index = torch.where(col < first, col, a + col - first).clamp(max=a + later.tokens.shape[1] - 1)
+    @staticmethod
+    def join(parts: Sequence["DraftContext"]) -> "DraftContext":
+        """Contexts in order as one (the head skipped cycles: it catches up on all of them at once). One gather
+        per field, however many parts: joining each plain cycle's context as it came would copy the
+        growing context every cycle."""
+        if len(parts) == 1:
+            return parts[0]
+        counts = [sum(c) for c in zip(*(p.counts for p in parts))]
+        width = max(counts)
+        index = []  # [B, width] per row: the columns of its real entries in the parts laid side by side
+        for b, total in enumerate(counts):
+            cols, offset = [], 0
+            for p in parts:
+                cols.extend(range(offset, offset + p.counts[b]))
+                offset += p.tokens.shape[1]
+            index.append(cols + [cols[-1] if cols else 0] * (width - total))
+        idx = torch.tensor(index, device=parts[0].tokens.device)
 
-        def joined(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-            both = torch.cat([x, y], 1)
-            idx = index if both.dim() == 2 else index[..., None].expand(-1, -1, both.shape[-1])
-            return both.gather(1, idx)
+        def joined(name: str) -> torch.Tensor:
+            both = torch.cat([getattr(p, name) for p in parts], 1)
+            return both.gather(1, idx if both.dim() == 2 else idx[..., None].expand(-1, -1, both.shape[-1]))
 
-        return DraftContext(joined(self.tokens, later.tokens), joined(self.features, later.features),
-                            joined(self.positions, later.positions), [c + d for c, d in zip(self.counts, later.counts)])
+        return DraftContext(joined("tokens"), joined("features"), joined("positions"), counts)
 
 
 @dataclass
@@ -127,6 +134,7 @@ class Candidates:
     depth: torch.Tensor  # [B, M] 1 below the root
     # per level below the first: (scores of the frontier expanded [B, F], scores of its children [B, C])
     levels: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
+    height: int | None = None  # levels drafted, when the drafter knows it on the host (None: read `depth`)
 
     @property
     def size(self) -> int:
@@ -143,10 +151,12 @@ class Candidates:
         par = self.parents.gather(1, sel)
         par = torch.where(par < 0, 0, new_index.gather(1, par.clamp(min=0)))
         zero = torch.zeros(b, 1, dtype=torch.long, device=dev)
+        height = None if self.height is None else min(self.height, n)
         return DraftTree(tokens=torch.cat([self.root[:, None], self.tokens.gather(1, sel)], 1),
                          parents=torch.cat([zero - 1, par], 1),
                          depth=torch.cat([zero, self.depth.gather(1, sel)], 1),
-                         scores=torch.cat([zero.float(), self.scores.gather(1, sel)], 1))
+                         scores=torch.cat([zero.float(), self.scores.gather(1, sel)], 1),
+                         height=height, chain=True if n <= 1 else None)
 
     def best(self, n: int) -> DraftTree:
         """The tree of the n most confident candidates. A child never scores above its parent and comes later,
@@ -167,7 +177,11 @@ class Candidates:
                 break
             node = torch.where(child, self.scores, float("-inf")).argmax(1)  # argmax: the first of equals
             chosen.append(node)
-        return self.tree(torch.stack(chosen, 1)) if chosen else DraftTree.root_only(self.root)
+        if not chosen:
+            return DraftTree.root_only(self.root)
+        path = self.tree(torch.stack(chosen, 1))
+        path.chain = True
+        return path
 
 
 class Drafter(Protocol):
@@ -320,4 +334,4 @@ class HeadDrafter:
             count += tok.shape[1]
         cache.rollback()
         return Candidates(ctx.tokens.gather(1, last)[:, 0], torch.cat(tokens, 1), torch.cat(parents, 1),
-                          torch.cat(scores, 1), torch.cat(depths, 1), levels)
+                          torch.cat(scores, 1), torch.cat(depths, 1), levels, height=len(tokens))

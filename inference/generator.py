@@ -10,6 +10,7 @@ returns tokens and stats.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Iterator, Sequence, Union
 
@@ -18,13 +19,12 @@ import torch
 
 from eyas.data.chat_template import encode_prompt
 from eyas.models import DraftHead, Target
-from eyas.models.errors import InputError
 from eyas.models.masks import after_history
 
 from .acceptance import Verifier, accept, penalized, verify
 from .costs import CostModel, calibrate
 from .drafter import Candidates, DraftContext, Drafter, DynamicExpansion, HeadDrafter, TreeOptions
-from .lookup import MAX_NGRAM, accepted_prefix, graft, ngram_continuation
+from .lookup import MAX_NGRAM, NgramIndex, accepted_prefix, graft
 from .planner import Planner
 from .sampling import Sampling
 from .timing import Stopwatch
@@ -184,7 +184,8 @@ class SpeculativeGenerator:
             return self._custom_drafter
         o = self.options
         if chains_only:  # a target that verifies chains only: the same expansion with one child per node
-            expansion = DynamicExpansion(o.depth, 1) if o.kind == "dynamic" else TreeOptions("chain", o.depth).expansion()
+            chain = TreeOptions("chain", o.depth).expansion()
+            expansion = DynamicExpansion(o.depth, 1) if o.kind == "dynamic" else chain
         else:
             expansion = o.expansion()
         if not isinstance(self.drafter, HeadDrafter) or self.drafter.expansion.__dict__ != expansion.__dict__:
@@ -205,11 +206,8 @@ class SpeculativeGenerator:
         watch = Stopwatch(dev)
         start = watch.mark()
         gen = torch.Generator(dev).manual_seed(seed) if seed is not None else None
-        limit = getattr(target.config, "max_position_embeddings", None)
         longest = max(len(p) + r.max_new_tokens for p, r in zip(prompts, rows))
-        if limit is not None and longest > limit:
-            raise InputError(f"prompt + max_new_tokens = {longest} tokens exceeds the target's "
-                             f"max_position_embeddings ({limit}); shorten the prompt or lower max_new_tokens")
+        target.check_length(longest)
         drafter = self._drafter(chains_only)
         lookup = 0 if chains_only else self.options.lookup  # a branch beside a chain would make a tree
         planner = None
@@ -217,6 +215,7 @@ class SpeculativeGenerator:
             if self.planner is None:
                 self.calibrate(prompts[0])
             planner = self.planner
+            planner.begin()
         capacity = longest + self.options.max_nodes() + 2
         cache = target.new_cache(len(prompts), capacity)
         drafter.reset(len(prompts), capacity)
@@ -225,12 +224,14 @@ class SpeculativeGenerator:
         ctx, prefill_s = self._prefill(prompts, cache, watch)
         for st in stats:
             st.prefill_time_s = st.target_time_s = prefill_s
+        unseen = [ctx]  # what the head has not seen yet, oldest first: it catches up on all of it when it drafts
         root = torch.tensor([p[-1] for p in prompts], device=dev)
         seen = None
         if s.repetition_penalty != 1.0:
             seen = torch.zeros(len(prompts), target.vocab_size, dtype=torch.bool, device=dev)
             for b, p in enumerate(prompts):
                 seen[b, torch.tensor(p, device=dev)] = True
+        index = [NgramIndex(p) for p in prompts] if lookup else []  # each row's n-grams, for lookup branches
 
         live = list(range(len(prompts)))  # batch row -> index into rows
         while keep := [i for i, j in enumerate(live) if not rows[j].done]:
@@ -238,20 +239,25 @@ class SpeculativeGenerator:
                 order = cache.keep_rows(keep)  # kept rows move into the holes: `order` is the old row of each
                 drafter.keep_rows(order)
                 idx = torch.tensor(order, device=dev)
-                ctx, root, live = ctx.rows(order), root[idx], [live[i] for i in order]
+                unseen, root, live = [c.rows(order) for c in unseen], root[idx], [live[i] for i in order]
+                index = [index[i] for i in order] if index else []
                 seen = seen[idx] if seen is not None else None
-            histories = [prompts[j] + rows[j].tokens for j in live]
+            t0 = watch.mark()
+            cycle_start = time.perf_counter()
 
             # 1. draft: the head's candidates, the planner's choice of them, and an n-gram branch
-            t0 = watch.mark()
-            drafted = max(ctx.counts) > 0 and (planner is None or planner.should_draft())
-            candidates = None
+            catchup = max(sum(c) for c in zip(*(u.counts for u in unseen)))
+            drafted = catchup > 0 and (planner is None or planner.should_draft(cache.width, catchup))
+            candidates, levels = None, 0
             if drafted:
+                ctx, unseen = DraftContext.join(unseen), []
                 candidates = drafter.draft(ctx, keep_going=planner.keep_drafting if planner is not None else None)
-                tree = candidates.chain() if chains_only else self._select(candidates, planner)
+                t_draft = watch.mark()
+                levels = candidates.height or 0
+                tree = candidates.chain() if chains_only else self._select(candidates, levels, planner)
             else:  # drafting does not pay at the moment: verify the root alone, the head skips this cycle
                 tree = DraftTree.root_only(root)
-            chains, ngrams = self._lookup(tree.size - 1, histories, planner, lookup)
+            chains, ngrams = self._lookup(tree.size - 1, index, planner, lookup)
             if any(chains):
                 tree = graft(tree, chains)
             t1 = watch.mark()
@@ -259,48 +265,53 @@ class SpeculativeGenerator:
             # 2. verify: one target forward over the whole tree
             anc = tree.ancestors()
             positions = cache.lengths[:, None] + tree.depth
-            allowed = None if cache.uniform is not None and tree.is_chain else after_history(
+            allowed = None if cache.uniform is not None and tree.chain else after_history(
                 cache.lengths, anc, cache.width + tree.size)
             out = target(tree.tokens, positions, cache, allowed, layer_ids=self.layer_ids)
             logits = out.logits if seen is None else penalized(out.logits, tree, anc, seen, s.repetition_penalty)
 
             # 3. accept: the longest path the target agrees with, plus its own next token
             acc = accept(tree, self.verifier(logits, tree, s, gen), anc)
-            t2 = watch.mark()
-            lengths = acc.length.tolist()
-
-            # 4. advance: keep the accepted path in the cache, hand its features to the head, record the tokens
-            cache.commit(lengths, acc.path)
-            a = acc.path.shape[1]
             path_tokens = tree.tokens.gather(1, acc.path)
-            col = torch.arange(a, device=dev)
+            col = torch.arange(acc.path.shape[1], device=dev)
             last = col[None, :] == (acc.length - 1)[:, None]
             # EAGLE shift: the token after each path node is the next one, after the last the bonus
             after = torch.where(last, acc.bonus[:, None], torch.cat([path_tokens[:, 1:], acc.bonus[:, None]], 1))
+            # the cycle's one read of the device: per row the tokens gained, the tree's depth, the tokens
+            host = torch.cat([acc.length[:, None], tree.depth.max(1).values[:, None], after], 1).tolist()
+            t2 = watch.mark()
+            lengths = [h[0] for h in host]
+
+            # 4. advance: keep the accepted path in the cache, hand its features to the head, record the tokens
+            width = max(lengths)  # the path as wide as the longest row's (the head need not see the padding)
+            path, after = acc.path[:, :width], after[:, :width]
+            cache.commit(lengths, path)
             feats = self._features(out)
-            new = DraftContext(tokens=after, features=feats.gather(1, acc.path[..., None].expand(-1, -1, feats.shape[-1])),
-                               positions=positions.gather(1, acc.path), counts=lengths)
-            # a cycle without a draft left ctx unseen by the head: it catches up on both at its next draft
-            ctx = new if drafted else ctx.then(new)
+            unseen.append(DraftContext(tokens=after, positions=positions.gather(1, path), counts=lengths,
+                                       features=feats.gather(1, path[..., None].expand(-1, -1, feats.shape[-1]))))
             root = acc.bonus
             if seen is not None:
-                seen.scatter_(1, torch.where(col[None, :] < acc.length[:, None], after, after[:, :1]), True)
-            out_tokens = after.tolist()
+                seen.scatter_(1, torch.where(col[None, :width] < acc.length[:, None], after, after[:, :1]), True)
+            gained = [h[2:2 + n] for h, n in zip(host, lengths)]
+            for ix, toks in zip(index, gained):
+                ix.extend(toks)
             draft_s, verify_s = watch.between(t0, t1), watch.between(t1, t2)
-            if planner is not None:
-                self._observe(planner, candidates, tree.size - 1, after, acc.length)
-                if any(chains):
-                    drafts = [toks[1:n] for toks, n in zip(path_tokens.tolist(), lengths)]
-                    planner.observe_lookup([len(c) for c in chains],
-                                           [accepted_prefix(c, d) for c, d in zip(chains, drafts)], ngrams)
-            depth = int(tree.depth.max())
-            for j, toks, n in zip(live, out_tokens, lengths):
-                rows[j].add(toks[:n])
-                stats[j].accepted.append(n)
+            for j, toks, h in zip(live, gained, host):
+                rows[j].add(toks)
+                stats[j].accepted.append(len(toks))
                 stats[j].drafted.append(tree.size - 1)
-                stats[j].depths.append(depth)
+                stats[j].depths.append(h[1])
                 stats[j].draft_time_s += draft_s
                 stats[j].target_time_s += verify_s
+            if planner is not None:
+                if candidates is not None:
+                    self._observe(planner, candidates, after, acc.length)
+                if any(chains):
+                    planner.observe_lookup([len(c) for c in chains],
+                                           [accepted_prefix(c, g[:-1]) for c, g in zip(chains, gained)], ngrams)
+                head_s = watch.between(t0, t_draft) if drafted else 0.0
+                planner.observe_cycle(tree.size - 1, levels, sum(lengths) / len(lengths), head_s,
+                                      time.perf_counter() - cycle_start - head_s)
             yield
         total = watch.between(start, watch.mark())
         for st in stats:
@@ -324,38 +335,34 @@ class SpeculativeGenerator:
         positions = torch.arange(width, device=dev).expand(len(prompts), -1)
         return DraftContext(ids[:, 1:], features, positions, [len(p) - 1 for p in prompts]), seconds
 
-    def _select(self, candidates: Candidates, planner: Planner | None) -> DraftTree:
+    def _select(self, candidates: Candidates, levels: int, planner: Planner | None) -> DraftTree:
         """Which candidates the target verifies: the planner's count, the fixed total_tokens, or a static tree."""
         if planner is not None:
             planner.observe_levels(candidates.levels)
-            return candidates.best(planner.choose(candidates.scores))
+            return candidates.best(planner.choose(candidates.scores, levels))
         if self.options.kind == "dynamic" and self._custom_drafter is None:
             return candidates.best(self.options.total_tokens)
         return candidates.tree()
 
-    def _observe(self, planner: Planner, candidates: Candidates | None, nodes: int, after: torch.Tensor,
-                 length: torch.Tensor) -> None:
-        """Tell the planner what the cycle cost and gained, and which of the head's candidates (all it drafted,
-        verified or not) spelled the tokens the target produced (after [B, A], left-aligned, length [B])."""
-        if candidates is not None:
-            every = candidates.tree()
-            on, known = on_continuation(every, after, length)
-            conf = every.scores[:, 1:].float().exp()[known[:, 1:]].cpu().numpy()
-            hit = on[:, 1:][known[:, 1:]].cpu().numpy()
-            steps = int(every.depth.max())  # head forwards: the catch-up, then one per level below the first
-        else:
-            conf = hit = np.zeros(0)
-            steps = 0
-        planner.observe(conf, hit, float(length.float().mean()), planner.cost(nodes, steps))
+    def _observe(self, planner: Planner, candidates: Candidates, after: torch.Tensor, length: torch.Tensor) -> None:
+        """Tell the planner which of the head's candidates (all it drafted, verified or not) spelled the tokens the
+        target produced (after [B, A], left-aligned, length [B])."""
+        every = candidates.tree()
+        on, known = on_continuation(every, after, length)
+        fate = torch.stack([every.scores[:, 1:].float(), on[:, 1:].float(), known[:, 1:].float()]).cpu().numpy()
+        known = fate[2] > 0
+        planner.observe(np.exp(fate[0][known]), fate[1][known] > 0)
 
-    def _lookup(self, head_nodes: int, histories: list[list[int]], planner: Planner | None,
+    def _lookup(self, head_nodes: int, index: list[NgramIndex], planner: Planner | None,
                 lookup: int) -> tuple[list[list[int]], list[int]]:
         """Per row the n-gram branch to graft (maybe empty) onto a tree of head_nodes draft nodes, and the
         length of the match it came from."""
-        # branch length per match length n (index n; no match, n = 0, gets none)
-        sizes = [0] + [lookup if planner is None else min(lookup, planner.lookup_tokens(head_nodes, n))
-                       for n in range(1, MAX_NGRAM + 1)]
-        if max(sizes) == 0:  # no branch pays from any match: skip the search, a Python scan over the history
+        if not lookup:
             return [], []
-        found = [ngram_continuation(h, max(sizes), MAX_NGRAM) for h in histories]
+        # branch length per match length n (index n; no match, n = 0, gets none)
+        planned = [lookup] * MAX_NGRAM if planner is None else planner.lookup_sizes(head_nodes)
+        sizes = [0] + [min(lookup, k) for k in planned]
+        if max(sizes) == 0:  # no branch pays from any match
+            return [], []
+        found = [ix.continuation(max(sizes)) for ix in index]
         return [c[: sizes[n]] for c, n in found], [n for _, n in found]

@@ -20,20 +20,40 @@ from .tree import DraftTree
 MAX_NGRAM = 3  # longest match tried
 
 
-def ngram_continuation(ids: Sequence[int], num_tokens: int, max_ngram: int = MAX_NGRAM) -> tuple[list[int], int]:
-    """(tokens, n): up to num_tokens tokens that followed the latest earlier occurrence of ids' last n
-    tokens, trying n = max_ngram down to 1; ([], 0) when nothing matches. n says how much to trust
-    them: a three-token match is copied text far more often than a one-token one."""
-    if num_tokens <= 0:
+class NgramIndex:
+    """Where each n-gram (n <= max_ngram) of a growing token sequence last occurred with a token after it.
+
+    Prompt-lookup's question, "which tokens followed the latest earlier occurrence of the last n tokens",
+    answered in O(max_ngram) per cycle: the index is updated as tokens are appended, never rescanned
+    (a scan over a long document each cycle costs a fair part of a plain forward on a CPU).
+    """
+
+    def __init__(self, ids: Sequence[int] = (), max_ngram: int = MAX_NGRAM) -> None:
+        self.ids: list[int] = []
+        self.max_ngram = max_ngram
+        self._after: list[dict[tuple[int, ...], int]] = [{} for _ in range(max_ngram)]  # [n-1]: gram -> next index
+        self.extend(ids)
+
+    def extend(self, tokens: Sequence[int]) -> None:
+        ids = self.ids
+        for t in tokens:
+            end = len(ids)  # the grams ending just before t now have a follower: t, at index `end`
+            for n in range(1, min(self.max_ngram, end) + 1):
+                self._after[n - 1][tuple(ids[end - n:end])] = end
+            ids.append(t)
+
+    def continuation(self, num_tokens: int) -> tuple[list[int], int]:
+        """(tokens, n): up to num_tokens tokens that followed the latest earlier occurrence of the last n tokens,
+        trying n = max_ngram down to 1; ([], 0) when nothing matches. n says how much to trust them: a
+        three-token match is copied text far more often than a one-token one."""
+        ids, end = self.ids, len(self.ids)
+        if num_tokens <= 0:
+            return [], 0
+        for n in range(min(self.max_ngram, end - 1), 0, -1):
+            start = self._after[n - 1].get(tuple(ids[end - n:]))
+            if start is not None:
+                return ids[start:start + num_tokens], n
         return [], 0
-    ids = list(ids)
-    end = len(ids)
-    for n in range(min(max_ngram, end - 1), 0, -1):
-        tail = ids[end - n:]
-        for start in range(end - n - 1, -1, -1):  # latest first: recent text predicts best
-            if ids[start: start + n] == tail:
-                return ids[start + n: start + n + num_tokens], n
-    return [], 0
 
 
 def graft(tree: DraftTree, chains: Sequence[Sequence[int]]) -> DraftTree:
@@ -44,8 +64,8 @@ def graft(tree: DraftTree, chains: Sequence[Sequence[int]]) -> DraftTree:
     repeating that node's token: verified like any draft, so harmless if rejected and right if accepted.
     """
     rows = []
-    for b, chain in enumerate(chains):
-        tokens, parents, depth = tree.tokens[b].tolist(), tree.parents[b].tolist(), tree.depth[b].tolist()
+    all_tokens, all_parents, all_depth = torch.stack([tree.tokens, tree.parents, tree.depth]).tolist()  # one read
+    for chain, tokens, parents, depth in zip(chains, all_tokens, all_parents, all_depth):
         children: dict[int, dict[int, int]] = {}
         for i in range(1, len(tokens)):
             children.setdefault(parents[i], {})[tokens[i]] = i
@@ -71,7 +91,8 @@ def graft(tree: DraftTree, chains: Sequence[Sequence[int]]) -> DraftTree:
     scores[:, : tree.size] = tree.scores
     return DraftTree(tokens=torch.tensor([r[0] for r in rows], device=dev),
                      parents=torch.tensor([r[1] for r in rows], device=dev),
-                     depth=torch.tensor([r[2] for r in rows], device=dev), scores=scores)
+                     depth=torch.tensor([r[2] for r in rows], device=dev), scores=scores,
+                     height=max(max(r[2]) for r in rows), chain=all(r[1] == list(range(-1, n - 1)) for r in rows))
 
 
 def accepted_prefix(chain: Sequence[int], accepted: Sequence[int]) -> int:

@@ -1,25 +1,37 @@
-"""`total_tokens="auto"`: each cycle's tree chosen from the head's own confidence and what a forward costs here.
+"""`total_tokens="auto"`: each cycle's tree chosen from the head's own confidence and what a cycle costs here,
+with a guarantee: decoding is never more than a set margin slower than plain decoding.
 
 EAGLE-2's observation: a draft node's confidence (its path probability under the head) predicts whether
-the target will accept it. A cycle that drafts to depth d and verifies n nodes costs d draft steps plus
-a verify forward over n + 1 tokens, and gains 1 + Σ P(node accepted) tokens. So, every cycle:
+the target will accept it. A cycle that drafts `levels` levels and verifies n nodes costs a draft plus a
+verify forward over n + 1 tokens (costs.CostModel, refit from every cycle's measured times), and gains
+1 + Σ P(node accepted) tokens. So, every cycle:
 - the head drafts level by level while the next level is expected to pay for its draft step (what a
   level earns, net of its nodes' verify cost, per unit of its frontier's acceptance probability, is
   learned from the levels drafted so far);
 - the n candidates with the highest confidence are verified, n chosen to maximise
   gain - λ * cost, where λ is the tokens per second decoding runs at (a cycle is worth running when it
   beats what the same seconds earn on average; policy iteration on this rate maximises tokens/s);
-  n = 0 is plain decoding (the root alone, a cheaper forward).
+  n = 0 is plain decoding (the root alone, a cheaper forward). An n-gram lookup branch (lookup.py)
+  competes for the same verify forward: its tokens are added while their expected gain pays for them.
 Confidences are calibrated online (a head is over- or underconfident, and acceptance moves with the
 text): per confidence bin, the decayed share of candidates that lay on the continuation the target
-produced. When drafting itself stops paying (the tree's advantage over plain decoding is worth less
-than a draft step), cycles skip the head and verify the root alone, with a probe draft at doubling
-intervals to notice when that changes.
+produced. When drafting stops paying (the tree's advantage over plain decoding is worth less than the
+draft), cycles skip the head and verify the root alone, with a probe draft at doubling intervals to
+notice when that changes.
 
-What a forward and a draft step cost comes from the CostModel (costs.py). Inputs and outputs are explicit:
-before drafting `should_draft()`; while drafting `keep_drafting(frontier scores)`; after drafting
-`choose(candidate scores)` (how many nodes are verified) and `lookup_tokens(...)` (the n-gram branch);
-after verifying `observe(...)`, `observe_levels(...)` and `observe_lookup(...)`.
+The guarantee (the guard). Per generation the planner keeps an account in modelled seconds: `excess`,
+what the speculative cycles cost beyond what plain decoding would have spent on the tokens they gained
+(negative while speculation wins), against an allowance of `margin` times the plain-decoding time of
+every token so far plus `slack` plain cycles. A cycle may draft, and may verify nodes or a lookup branch,
+only if its worst case (nothing accepted: all its extra seconds lost) still fits in the allowance. So
+whatever the head, the text or a wrong estimate, a generation spends at most margin + slack / tokens
+beyond plain decoding, and a head that wins is never held back. The costs are the machine's own, refit
+as it runs, so the account follows what the machine actually does.
+
+Inputs and outputs are explicit: `begin()` per generation; before drafting `should_draft(context,
+catch-up)`; while drafting `keep_drafting(frontier scores)`; after drafting `choose(candidate scores,
+levels)` (how many nodes are verified) and `lookup_sizes(head nodes)` (the n-gram branch); after
+verifying `observe(...)`, `observe_levels(...)`, `observe_lookup(...)` and `observe_cycle(...)`.
 """
 
 from __future__ import annotations
@@ -38,39 +50,58 @@ CONF_BINS = np.linspace(np.log(1e-3), 0.0, 13)  # edges of the calibration bins 
 
 class Planner:
     """Per cycle: whether the head drafts, how deep, how many of its nodes are verified, how long a lookup
-    branch is; learned from the cycles so far.
+    branch is; learned from the cycles so far, within the guard's allowance.
 
-    costs: what a verify forward, a plain forward and a draft step cost (costs.CostModel). Calibration: per bin of log confidence, decayed counts of
-    candidates and of those on the target's continuation, plus `weight` pseudo-counts at the raw
-    confidence scaled by how over- or underconfident the head has been overall; the table is fitted
-    non-decreasing in confidence.
+    costs: what the parts of a cycle cost (costs.CostModel), refit by every cycle. Calibration: per bin of
+    log confidence, decayed counts of candidates and of those on the target's continuation, plus `weight`
+    pseudo-counts at the raw confidence scaled by how over- or underconfident the head has been overall;
+    the table is fitted non-decreasing in confidence.
 
     N-gram lookup branches (lookup.py) get their own per-position acceptance for each match length n
     (decayed, prior `lookup_prior`): in prose a one-token match is mostly noise while a three-token one
     is often copied text, and one shared rate would cut the long branches short or pay for the noise.
+
+    margin, slack: the guard's allowance (module docstring): the share of plain-decoding time speculation
+    may lose at worst, and how many plain cycles' worth it may risk before it has gained anything;
+    stall: a cycle measured slower than this many times its modelled cost counts as that (a stall elsewhere).
     """
 
     def __init__(self, costs: CostModel, max_depth: int, top_k: int = 4, decay: float = 0.995, weight: float = 4.0,
                  rate_decay: float = 0.98, max_probe: int = 64, lookup_max: int = 8, lookup_prior: float = 0.5,
-                 max_ngram: int = MAX_NGRAM) -> None:
+                 max_ngram: int = MAX_NGRAM, margin: float = 0.015, slack: float = 1.0, stall: float = 4.0) -> None:
         self.costs = costs
-        self.verify_cost = (costs.verify_s, costs.verify_s_per_token)
-        self.step_s, self.plain_s = costs.draft_step_s, costs.plain_s
         self.max_depth, self.top_k = max_depth, top_k
         self.decay, self.weight, self.rate_decay, self.max_probe = decay, weight, rate_decay, max_probe
+        self.margin, self.slack, self.stall = margin, slack, stall
         self.seen = np.zeros(len(CONF_BINS) + 1)  # decayed candidates per confidence bin
         self.hits = np.zeros(len(CONF_BINS) + 1)  # ... of which lay on the target's continuation
-        self.tokens, self.seconds = 1.0, self.plain_s  # decayed sums over cycles: the rate λ = tokens / seconds
+        plain = costs.verify(0, 0)
+        self.tokens, self.seconds = 1.0, plain  # decayed sums over cycles: the rate λ = tokens / seconds
         # decayed tokens a drafted cycle's tree was expected to gain over plain decoding; it starts at twice
         # what a draft step costs, so the first cycles draft and learn how good the head is
-        self.advantage = 2 * self.step_s / self.plain_s
+        self.advantage = 2 * costs.draft(2, 1) / plain
         # decayed sums over drafted levels: net tokens a level's nodes earned, and its frontier's acceptance
         # mass; their ratio starts at 1, the bound (children's acceptance sums to at most their parent's)
         self.level_earned, self.level_mass = 1.0, 1.0
         self.probe, self.since_probe = 2, 0
+        # what a drafting cycle typically drafts and verifies (decayed means): its worst case for the guard
+        self.typical_levels, self.typical_nodes = 2.0, float(top_k)
         self.lookup_prior = lookup_prior
         self.lookup_reached = np.zeros((max_ngram, lookup_max))  # decayed counts per (match length n-1, position)
         self.lookup_passed = np.zeros((max_ngram, lookup_max))
+        self.begin()
+
+    # ---- the guard ----------------------------------------------------------------------------
+    def begin(self) -> None:
+        """A new generation: its own account (what was learned about the head and the machine stays)."""
+        self.excess = 0.0  # modelled seconds speculative cycles spent beyond plain decoding of their tokens
+        self.plain_equivalent = 0.0  # modelled seconds plain decoding would have spent on every token so far
+        self.context, self.catchup, self.left = 0, 1, 0.0
+
+    def allowance(self) -> float:
+        """Seconds the next cycle may lose at worst without breaking the guarantee."""
+        plain = self.costs.verify(0, self.context)
+        return self.margin * self.plain_equivalent + self.slack * plain - self.excess
 
     @property
     def rate(self) -> float:
@@ -86,16 +117,19 @@ class Planner:
         table = _isotonic((self.hits + self.weight * prior) / (self.seen + self.weight), self.seen + self.weight)
         return table[_bin(conf)]
 
-    def cost(self, nodes: int, steps: int) -> float:
-        """Seconds of a cycle that ran `steps` draft steps and verifies `nodes` draft nodes (0: plain)."""
-        a, b = self.verify_cost
-        return steps * self.step_s + (self.plain_s if nodes == 0 else a + b * (nodes + 1))
-
     # ---- decisions ----------------------------------------------------------------------------
-    def should_draft(self) -> bool:
-        """Run the head this cycle? Yes while its trees beat plain decoding by more than a draft step
-        costs; otherwise only as a probe, at intervals that double while drafting keeps not paying."""
-        if self.advantage >= self.rate * self.step_s:
+    def should_draft(self, context: int, catchup: int) -> bool:
+        """Run the head this cycle, `context` tokens in the cache and `catchup` of them not yet seen by the head?
+        Yes while its trees beat plain decoding by more than the draft costs; otherwise only as a probe, at
+        intervals that double while drafting keeps not paying; never beyond the guard's allowance."""
+        self.context, self.catchup = context, catchup
+        self.left = self.allowance()
+        c = self.costs
+        draft = c.draft(round(self.typical_levels), catchup)
+        worst = draft + c.verify(round(self.typical_nodes), context) - c.verify(0, context)
+        if worst > self.left:
+            return False  # a probe waits until it is affordable
+        if self.advantage >= self.rate * draft:
             return True
         self.since_probe += 1
         if self.since_probe < self.probe:
@@ -106,58 +140,80 @@ class Planner:
     def keep_drafting(self, frontier_scores: torch.Tensor) -> bool:
         """Draft one more level? frontier_scores [B, F]: the draft log-probabilities of the nodes it would expand."""
         mass = float(self.accept_prob(frontier_scores.float().exp().cpu().numpy()).sum(1).mean())
-        return mass * self.level_earned / self.level_mass >= self.rate * self.step_s
+        step = self.costs.draft(2, self.catchup) - self.costs.draft(1, self.catchup)
+        return mass * self.level_earned / self.level_mass >= self.rate * step
 
-    def choose(self, scores: torch.Tensor) -> int:
+    def choose(self, scores: torch.Tensor, levels: int) -> int:
         """How many candidates to verify (the most confident; one count for the batch, 0 = plain decoding).
-        scores [B, M]: every candidate's draft log-probability (its path confidence is exp(score))."""
+        scores [B, M]: every candidate's draft log-probability (its path confidence is exp(score));
+        levels: how many levels the draft made (its cost is spent whatever is verified)."""
         conf = scores.float().exp().cpu().numpy()
-        a, b = self.verify_cost
         p = -np.sort(-self.accept_prob(conf), axis=1)  # [B, M] descending
         gain = np.concatenate([[0.0], np.cumsum(p, axis=1).mean(0)])  # [M + 1] expected extra tokens
-        n = np.arange(len(gain))
-        value = gain - self.rate * np.where(n == 0, self.plain_s, a + b * (n + 1))
+        cost = self.costs.verify(np.arange(len(gain)), self.context)
+        value = gain - self.rate * cost
         best = int(np.argmax(value))
         self.advantage = 0.9 * self.advantage + 0.1 * float(value[best] - value[0])
-        if self.advantage >= self.rate * self.step_s:
+        if self.advantage >= self.rate * self.costs.draft(levels, self.catchup):
             self.probe = 2
+        self.left -= self.costs.draft(levels, self.catchup)  # spent
+        affordable = cost - cost[0] <= max(self.left, 0.0)  # worst case: none of them accepted
+        best = int(np.argmax(np.where(affordable, value, -np.inf)))
+        self.left -= cost[best] - cost[0]
         return best
 
-    def lookup_tokens(self, head_nodes: int, ngram: int) -> int:
-        """How many tokens of a lookup branch from an `ngram`-token match to graft onto a tree of `head_nodes`
-        draft nodes: the most expected tokens net of their verify cost (0: the branch does not pay)."""
-        if self.lookup_reached.shape[1] == 0 or ngram <= 0:
-            return 0
-        a, b = self.verify_cost
+    def lookup_sizes(self, head_nodes: int) -> list[int]:
+        """How many tokens of a lookup branch to graft onto a tree of `head_nodes` draft nodes, per match length
+        n = 1..max_ngram: the most expected tokens net of their verify cost (0: the branch does not pay),
+        within what is left of the guard's allowance."""
+        length = self.lookup_reached.shape[1]
+        if length == 0:
+            return [0] * len(self.lookup_reached)
         w = self.weight
-        i = min(ngram, len(self.lookup_reached)) - 1
-        rate = (self.lookup_passed[i] + w * self.lookup_prior) / (self.lookup_reached[i] + w)  # P(j+1 | j) per position
-        gain = np.concatenate([[0.0], np.cumsum(np.cumprod(rate))])  # [L+1] expected extra tokens
-        n = np.arange(len(gain))
-        base = self.plain_s if head_nodes == 0 else a + b * (head_nodes + 1)
-        cost = np.where(n == 0, base, a + b * (head_nodes + n + 1)) - base
-        return int(np.argmax(gain - self.rate * cost))
+        rate = (self.lookup_passed + w * self.lookup_prior) / (self.lookup_reached + w)  # [n, L] P(j+1 | j)
+        gain = np.concatenate([np.zeros((len(rate), 1)), np.cumsum(np.cumprod(rate, 1), 1)], 1)  # [n, L+1]
+        cost = self.costs.verify(head_nodes + np.arange(length + 1), self.context)
+        extra = cost - cost[0]
+        value = np.where(extra <= max(self.left, 0.0), gain - self.rate * extra, -np.inf)
+        return [int(i) for i in np.argmax(value, 1)]
 
     # ---- learning -----------------------------------------------------------------------------
     def observe_levels(self, levels: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
         """The levels a draft made below its first: (frontier scores [B, F] of the nodes expanded, scores [B, C] of
         their children), as draft log-probabilities."""
+        per_node = self.costs.verify(2, self.context) - self.costs.verify(1, self.context)
         for frontier, children in levels:
             frontier_conf, children_conf = frontier.float().exp().cpu().numpy(), children.float().exp().cpu().numpy()
-            net = np.maximum(0.0, self.accept_prob(children_conf) - self.rate * self.verify_cost[1]).sum(1).mean()
+            net = np.maximum(0.0, self.accept_prob(children_conf) - self.rate * per_node).sum(1).mean()
             self.level_earned = self.rate_decay * self.level_earned + float(net)
             self.level_mass = self.rate_decay * self.level_mass + float(self.accept_prob(frontier_conf).sum(1).mean())
 
-    def observe(self, conf: np.ndarray, on_path: np.ndarray, tokens: float, seconds: float) -> None:
-        """One cycle: candidates with confidence conf [K] whose fate is known, on_path [K] whether each lay on
-        the target's continuation; tokens gained (mean per row) and the cycle's modelled seconds."""
+    def observe(self, conf: np.ndarray, on_path: np.ndarray) -> None:
+        """Candidates with confidence conf [K] whose fate is known, on_path [K] whether each lay on the target's
+        continuation."""
         self.seen *= self.decay
         self.hits *= self.decay
         i = _bin(conf)
         np.add.at(self.seen, i, 1.0)
         np.add.at(self.hits, i, on_path.astype(float))
+
+    def observe_cycle(self, nodes: int, levels: int, tokens: float, draft_s: float, rest_s: float) -> None:
+        """One cycle: the draft nodes it verified (head and lookup), the levels the head drafted (0: none),
+        tokens gained (mean per row), and its measured seconds: the draft, and the rest of the cycle."""
+        c = self.costs
+        c.observe(nodes, levels, self.catchup, self.context, draft_s, rest_s)
+        seconds = c.cycle(nodes, levels, self.catchup, self.context)
+        plain = c.verify(0, self.context)
         self.tokens = self.rate_decay * self.tokens + tokens
         self.seconds = self.rate_decay * self.seconds + seconds
+        self.plain_equivalent += tokens * plain
+        if levels or nodes:
+            # the account takes what the cycle measured (a cost model still learning this machine must not
+            # hide a loss), short of a stall elsewhere on the machine (at most `stall` times the model)
+            self.excess += min(draft_s + rest_s, self.stall * seconds) - tokens * plain
+        if levels:
+            self.typical_levels = 0.9 * self.typical_levels + 0.1 * levels
+            self.typical_nodes = 0.9 * self.typical_nodes + 0.1 * nodes
 
     def observe_lookup(self, proposed: Sequence[int], accepted: Sequence[int], ngrams: Sequence[int]) -> None:
         """Per row with a lookup branch: its length, how many of its leading tokens were accepted, and the

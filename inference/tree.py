@@ -19,26 +19,36 @@ class DraftTree:
     parents: torch.Tensor  # [B, N] parent index, -1 for the root; parents[:, i] < i
     depth: torch.Tensor  # [B, N] 0 at the root
     scores: torch.Tensor  # [B, N] cumulative draft log-probability (0 at the root)
+    # What the builder knows on the host, so that the cycle need not read the device for it:
+    height: int | None = None  # at least the deepest node's depth (None: read `depth`)
+    chain: bool | None = None  # every row is a chain (None: read `parents`)
 
     @property
     def size(self) -> int:
         return self.tokens.shape[1]
 
     @property
+    def max_depth(self) -> int:
+        """A bound on the deepest node's depth (exact unless the builder gave a looser `height`)."""
+        return self.height if self.height is not None else int(self.depth.max())
+
+    @property
     def is_chain(self) -> bool:
         """Every row is a chain (the root alone included): its attention is plain causal."""
-        n = self.size
-        return bool((self.parents == torch.arange(-1, n - 1, device=self.parents.device)).all())
+        if self.chain is None:
+            n = self.size
+            self.chain = bool((self.parents == torch.arange(-1, n - 1, device=self.parents.device)).all())
+        return self.chain
 
     @classmethod
     def root_only(cls, root: torch.Tensor) -> "DraftTree":
         """The tree without drafts (root [B]): verifying it is one step of plain decoding."""
         zero = torch.zeros_like(root)[:, None]
-        return cls(tokens=root[:, None], parents=zero - 1, depth=zero, scores=zero.float())
+        return cls(tokens=root[:, None], parents=zero - 1, depth=zero, scores=zero.float(), height=0, chain=True)
 
     def ancestors(self) -> torch.Tensor:
         """[B, N, N] bool: node j is node i itself or one of its ancestors."""
-        return ancestor_mask(self.parents, int(self.depth.max()))
+        return ancestor_mask(self.parents, self.max_depth)
 
 
 def ancestor_mask(parents: torch.Tensor, max_depth: int) -> torch.Tensor:
@@ -66,7 +76,7 @@ def on_continuation(tree: DraftTree, continuation: torch.Tensor, length: torch.T
     expect = continuation.gather(1, (d - 1).clamp(0, width - 1))
     match = (d == 0) | ~within | (tree.tokens == expect)  # beyond the continuation: undecided, not wrong
     alive = match
-    for _ in range(int(d.max())):  # alive: the node and all its ancestors match
+    for _ in range(tree.max_depth):  # alive: the node and all its ancestors match
         alive = match & alive.gather(1, tree.parents.clamp(min=0))
     return alive & within, within | ~alive
 

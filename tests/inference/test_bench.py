@@ -85,7 +85,8 @@ def test_report_has_every_field_per_category_and_overall(tmp_path, pair):
 def test_out_of_draft_vocab_counts_the_output_tokens_the_head_cannot_propose(tmp_path, pair):
     target = pair[0]
     head = DraftHead(head_config_for(target, "eagle3", draft_vocab_size=target.vocab_size // 2), target)
-    head.set_vocab_map(torch.randperm(target.vocab_size, generator=torch.Generator().manual_seed(0))[: target.vocab_size // 2])
+    order = torch.randperm(target.vocab_size, generator=torch.Generator().manual_seed(0))
+    head.set_vocab_map(order[: target.vocab_size // 2])
     report = run_bench(target, head, QUESTIONS_AS_OBJECTS, max_new_tokens=16, progress=False, **SMALL_TREE)
     outside = total = 0
     for q, row in zip(QUESTIONS_AS_OBJECTS, report["questions"]):
@@ -157,17 +158,11 @@ def test_cli_bad_questions_is_one_clear_line(tmp_path, capsys):
     from eyas.inference.cli import main
 
     q = _write(tmp_path / "q.jsonl", [QUESTIONS[0], '{"question_id": 9}'])
-    rc = main(["bench", "--target", "unused", "--head", "unused", "--questions", str(q), "--out", str(tmp_path / "r.json")])
+    rc = main(["bench", "--target", "unused", "--head", "unused", "--questions", str(q),
+               "--out", str(tmp_path / "r.json")])
     assert rc == 2
     assert "q.jsonl:2" in capsys.readouterr().err
     assert not (tmp_path / "r.json").exists()
-
-
-def test_demo_without_questions_says_where_to_get_them(capsys):
-    from eyas.inference.cli import main
-
-    assert main(["demo"]) == 2
-    assert "mt_bench/question.jsonl" in capsys.readouterr().err
 
 
 def test_demo_distils_trains_exports_and_benches(tmp_path, capsys):

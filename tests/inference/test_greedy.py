@@ -1,14 +1,12 @@
 """Greedy speculative decoding is token-identical to the target's own greedy decoding."""
 
-import numpy as np
 import pytest
 import torch
 
 from eyas.inference import SpeculativeGenerator, TreeOptions
-from eyas.inference.costs import CostModel, fit_cost
+from eyas.inference.costs import CostModel
 from eyas.inference.drafter import HeadDrafter
 from eyas.inference.planner import Planner
-from eyas.inference.tree import DraftTree
 from eyas.models.masks import causal
 from tests.helpers.inference import NO_EOS, PROMPTS, Oracle, always_accept_first_child, greedy, make_head
 from tests.helpers.tiny import FIXTURES, tiny_target
@@ -69,26 +67,31 @@ def test_head_drafter_matches_the_head_run_step_by_step():
     target = tiny_target("llama")
     head = make_head(target, "eagle3")
     for options in [TreeOptions(total_tokens=12, top_k=3, depth=4), TreeOptions(kind="static")]:
-        inner = HeadDrafter(head, options.expansion())
-        seen = []
-
-        class Recorder:
-            def reset(self, batch, capacity):
-                inner.reset(batch, capacity)
-
-            def keep_rows(self, order):
-                inner.keep_rows(order)
-
-            def draft(self, ctx, depth=None, keep_going=None):
-                seen.append(ctx)
-                candidates = inner.draft(ctx, depth, keep_going)
-                _check_scores(head, seen, candidates.tree())
-                return candidates
-
+        recorder = _Recorder(head, HeadDrafter(head, options.expansion()))
         # a verifier that accepts every first child makes each catch-up cover several tokens
-        gen = SpeculativeGenerator(target, head, drafter=Recorder(), verifier=always_accept_first_child)
+        gen = SpeculativeGenerator(target, head, drafter=recorder, verifier=always_accept_first_child)
         gen.generate(PROMPTS[0], max_new_tokens=16, **NO_EOS)
+        seen = recorder.seen
         assert len(seen) > 2 and max(c.counts[0] for c in seen[1:]) > 1
+
+
+class _Recorder:
+    """A drafter that checks every draft of the one it wraps against the head run path by path."""
+
+    def __init__(self, head, inner):
+        self.head, self.inner, self.seen = head, inner, []
+
+    def reset(self, batch, capacity):
+        self.inner.reset(batch, capacity)
+
+    def keep_rows(self, order):
+        self.inner.keep_rows(order)
+
+    def draft(self, ctx, depth=None, keep_going=None):
+        self.seen.append(ctx)
+        candidates = self.inner.draft(ctx, depth, keep_going)
+        _check_scores(self.head, self.seen, candidates.tree())
+        return candidates
 
 
 def _check_scores(head, seen, tree):
@@ -165,106 +168,15 @@ def test_auto_total_tokens_tunes_once_and_stays_exact():
     assert gen.generate(PROMPTS[0], max_new_tokens=4).tokens and gen.planner is planner  # tuned once
 
 
-def _planner(**kw) -> Planner:
-    """Verify a + b k with a = 1, b = 0.1; plain forward 1.0; a draft step 0.05 (seconds)."""
-    return Planner(CostModel(1.0, 0.1, 1.0, 0.05), **{"max_depth": 4, **kw})
-
-
-def log(conf) -> torch.Tensor:
-    """Path confidences -> the draft log-probabilities the planner is given."""
-    return torch.log(torch.as_tensor(conf, dtype=torch.float64))
-
-
-def test_planner_verifies_the_nodes_that_pay_for_their_verify_cost():
-    planner = _planner()
-    rate = planner.rate
-    sure, hopeless = np.full((1, 16), 0.999), np.full((1, 16), 1e-3)
-    assert planner.choose(log(hopeless)) == 0  # plain decoding: no node is worth the wider forward
-    assert planner.choose(log(sure)) == 16  # each sure node gains ~1 token for 0.1 s
-    # falling confidences: stop where one more node gains less than its verify seconds earn at rate λ
-    conf = np.array([[0.9, 0.6, 0.3, 0.05, 0.01]])
-    p = planner.accept_prob(conf)[0]
-    n = planner.choose(log(conf))
-    value = [0.0 - rate * 1.0] + [p[:k].sum() - rate * (1.0 + 0.1 * (k + 1)) for k in range(1, 6)]
-    assert n == int(np.argmax(value)) and 0 < n < 5
-    assert planner.choose(log(np.concatenate([conf, hopeless[:, :5]]))) <= n  # one count for the batch: rows average
-
-
-def test_planner_calibrates_confidence_from_what_the_target_accepted():
-    planner = _planner()
-    conf = np.full(20, 0.8)
-    assert planner.accept_prob(conf)[0] == pytest.approx(0.8, abs=0.1)  # prior: the raw confidence
-    for _ in range(30):  # an overconfident head: nothing at 0.8 is ever on the target's continuation
-        planner.observe(conf, np.zeros(20, bool), tokens=1.0, seconds=1.0)
-    assert planner.accept_prob(conf)[0] < 0.05
-    assert planner.choose(log(conf[None])) == 0
-    planner = _planner()
-    for _ in range(30):  # an underconfident head: everything at 0.3 is accepted
-        planner.observe(np.full(20, 0.3), np.ones(20, bool), tokens=1.0, seconds=1.0)
-    probs = planner.accept_prob(np.array([0.01, 0.3, 0.8]))
-    assert probs[1] > 0.9 and probs[2] >= probs[1]  # never less likely at a higher confidence
-    for _ in range(10):  # contradicting evidence at 0.8 does not make it less likely than 0.3
-        planner.observe(np.full(20, 0.8), np.zeros(20, bool), tokens=1.0, seconds=1.0)
-    probs = planner.accept_prob(np.array([0.01, 0.3, 0.8]))
-    assert list(probs) == sorted(probs)
-
-
-def test_planner_drafts_while_it_pays_and_probes_while_it_does_not():
-    planner = _planner()
-    assert planner.should_draft()  # optimistic start
-    for _ in range(40):  # the head is hopeless: every cycle's best choice is plain decoding
-        planner.choose(log(np.full((1, 8), 1e-3)))
-    gaps, since = [], 0
-    for _ in range(60):  # drafting only as a probe, ever further apart
-        since += 1
-        if planner.should_draft():
-            gaps.append(since)
-            since = 0
-            planner.choose(log(np.full((1, 8), 1e-3)))
-    assert len(gaps) >= 3 and gaps == sorted(gaps) and gaps[-1] > gaps[0]
-    for _ in range(5):  # a probe finds a confident head: drafting every cycle again
-        planner.choose(log(np.full((1, 8), 0.999)))
-    assert all(planner.should_draft() for _ in range(5))
-
-
-def test_planner_stops_drafting_at_a_level_that_cannot_pay():
-    planner = _planner()
-    frontier = np.array([[0.9, 0.5, 0.2, 0.1]])
-    assert planner.keep_drafting(log(frontier))
-    # the next level's nodes could at best add what their parents have: here far less than a step costs
-    assert not planner.keep_drafting(log(np.full((1, 4), 1e-3)))
-    for _ in range(50):  # levels below confident frontiers keep earning nothing: stop at the frontier
-        planner.observe_levels([(log(frontier), log(np.full((1, 16), 1e-3)))])
-    assert not planner.keep_drafting(log(frontier))
-
-
-def test_head_candidates_are_labelled_by_the_target_continuation():
-    """Every candidate the head drafted (verified or not) is scored against the tokens that followed."""
-    from eyas.inference.tree import on_continuation
-
-    #            root  a   b   a.c  a.d  b.e  a.c.f
-    tokens = torch.tensor([[9, 1, 2, 3, 4, 5, 6]])
-    parents = torch.tensor([[-1, 0, 0, 1, 1, 2, 3]])
-    depth = torch.tensor([[0, 1, 1, 2, 2, 2, 3]])
-    tree = DraftTree(tokens, parents, depth, torch.zeros(1, 7))
-    # the target produced 1, 3 (then nothing known): a and a.c are on it; a.c.f is beyond it, undecided
-    on, known = on_continuation(tree, torch.tensor([[1, 3, 0]]), torch.tensor([2]))  # left-aligned
-    assert on.tolist() == [[True, True, False, True, False, False, False]]
-    assert known.tolist() == [[True, True, True, True, True, True, False]]
-    # only 2 known: b is on it; everything under a is known to be off it, b.e undecided
-    on, known = on_continuation(tree, torch.tensor([[2, 0, 0]]), torch.tensor([1]))
-    assert on.tolist() == [[True, False, True, False, False, False, False]]
-    assert known.tolist() == [[True, True, True, True, True, False, True]]
-
-
 def test_plain_cycles_keep_greedy_identity_and_the_head_catches_up():
     """With drafting not paying, the probes' catch-up covers every token since the last draft."""
     target = tiny_target("llama")
     head = make_head(target, "eagle3")
     gen = SpeculativeGenerator(target, head, TreeOptions(total_tokens="auto", top_k=3, depth=3))
     gen.generate(PROMPTS[1], max_new_tokens=4, **NO_EOS)  # tunes
-    # a tree verify costs ~10x a plain step here: plain decoding wins, probes still draft now and then
-    gen.planner = Planner(CostModel(1.0, 0.0, 0.1, 0.01), max_depth=3, top_k=3)
+    # a tree verify costs ~10x a plain step here: plain decoding wins, probes still draft now and then (a wide
+    # margin lets the guard afford them within 24 tokens)
+    gen.planner = Planner(CostModel(1.0, 0.0, 0.1, 0.01, learn=False), max_depth=3, top_k=3, margin=2.0)
     seen, inner = [], gen.drafter.draft
 
     def draft(ctx, depth=None, keep_going=None):
@@ -280,12 +192,6 @@ def test_plain_cycles_keep_greedy_identity_and_the_head_catches_up():
     # a probe catches up on every plain cycle before it (_check_scores: the head saw every token once, in order)
     assert max(c.counts[0] for c in seen[1:]) > 1
     assert sum(c.counts[0] for c in seen) <= len(PROMPTS[0]) + len(res.tokens)
-
-
-def test_fit_cost_is_affine_and_never_rewards_noise():
-    assert fit_cost({1: 2.0, 2: 3.0, 4: 5.0}) == pytest.approx((1.0, 1.0))
-    a, b = fit_cost({1: 3.0, 8: 1.0, 16: 1.0})  # a lucky big forward must not make big trees look free
-    assert b == 0.0 and a == pytest.approx(5 / 3)
 
 
 def test_too_long_request_is_refused():
@@ -314,5 +220,6 @@ def test_finished_rows_leave_the_batch():
     res = gen.generate_batch(PROMPTS, max_new_tokens=20, eos_token_id=eos)
     assert res[1].tokens == refs[1][:refs[1].index(eos) + 1]
     assert res[0].tokens == refs[0] and res[2].tokens == refs[2]
-    assert rows_per_forward[0] == 3 and rows_per_forward[-1] == 2 and sorted(rows_per_forward, reverse=True) == rows_per_forward
+    assert rows_per_forward[0] == 3 and rows_per_forward[-1] == 2
+    assert sorted(rows_per_forward, reverse=True) == rows_per_forward
     assert len(res[1].stats.accepted) < len(res[0].stats.accepted)

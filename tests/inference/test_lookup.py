@@ -1,22 +1,42 @@
 """N-gram lookup branches: found right, grafted right, and never change what greedy decoding outputs."""
 
+import random
+
 import pytest
 import torch
 
 from eyas.inference import SpeculativeGenerator, TreeOptions
-from eyas.inference.lookup import accepted_prefix, graft, ngram_continuation
+from eyas.inference.lookup import MAX_NGRAM, NgramIndex, accepted_prefix, graft
 from eyas.inference.tree import DraftTree
 from tests.helpers.inference import NO_EOS, greedy, make_head
 from tests.helpers.tiny import tiny_target
 
 
-def test_ngram_continuation_prefers_the_longest_latest_match():
+def test_ngram_index_finds_the_longest_latest_match():
     ids = [1, 2, 3, 9, 9, 2, 3, 7, 8, 5, 2, 3]
-    assert ngram_continuation(ids, 2) == ([7, 8], 2)  # "2 3" last seen before 7 8 (latest wins over 9 9)
-    assert ngram_continuation(ids + [4], 3) == ([], 0)  # "4" never occurred before
-    assert ngram_continuation([5, 1, 2, 6, 1, 2], 2, max_ngram=2) == ([6, 1], 2)
-    assert ngram_continuation([5, 1, 2, 6, 1, 2], 2, max_ngram=1) == ([6, 1], 1)
-    assert ngram_continuation([1, 2, 3], 0) == ([], 0) and ngram_continuation([1], 4) == ([], 0)
+    assert NgramIndex(ids).continuation(2) == ([7, 8], 2)  # "2 3" last seen before 7 8 (latest wins over 9 9)
+    assert NgramIndex(ids + [4]).continuation(3) == ([], 0)  # "4" never occurred before
+    assert NgramIndex([5, 1, 2, 6, 1, 2], max_ngram=2).continuation(2) == ([6, 1], 2)
+    assert NgramIndex([5, 1, 2, 6, 1, 2], max_ngram=1).continuation(2) == ([6, 1], 1)
+    assert NgramIndex([1, 2, 3]).continuation(0) == ([], 0) and NgramIndex([1]).continuation(4) == ([], 0)
+
+
+def test_ngram_index_grown_token_by_token_answers_as_a_scan_of_the_whole_sequence():
+    rng = random.Random(0)
+    ids = [rng.randrange(6) for _ in range(300)]  # a small alphabet: matches of every length, overlapping ones too
+    index = NgramIndex(ids[:1])
+    for end in range(2, len(ids) + 1):
+        index.extend(ids[end - 1:end])
+        assert index.continuation(4) == _scan(ids[:end], 4, MAX_NGRAM), end
+
+
+def _scan(ids, num_tokens, max_ngram):
+    """The definition: the tokens after the latest earlier occurrence of the last n tokens, longest n first."""
+    for n in range(min(max_ngram, len(ids) - 1), 0, -1):
+        for start in range(len(ids) - n - 1, -1, -1):
+            if ids[start:start + n] == ids[len(ids) - n:]:
+                return ids[start + n:start + n + num_tokens], n
+    return [], 0
 
 
 def _tree(rows):
@@ -60,16 +80,16 @@ def test_lookup_keeps_greedy_identity_and_earns_tokens_on_repetitive_text(arch):
 
 
 def test_planner_sizes_lookup_branches_by_the_match_length_they_came_from():
-
     from eyas.inference.costs import CostModel
     from eyas.inference.planner import Planner
 
     # plain decoding (no head nodes) on a machine where each extra verified token costs 5% of a forward
-    planner = Planner(CostModel(1.0, 0.05, 1.0, 0.01), max_depth=2, lookup_max=8)
-    prior = [planner.lookup_tokens(0, n) for n in (1, 2, 3)]
+    planner = Planner(CostModel(1.0, 0.05, 1.0, 0.01, learn=False), max_depth=2, lookup_max=8, slack=100.0)
+    planner.should_draft(100, 1)
+    prior = planner.lookup_sizes(0)
     assert prior[0] == prior[1] == prior[2] > 0  # nothing observed yet: every match length alike
     for _ in range(30):  # one-token matches are rejected at once, three-token ones copied to the end
         planner.observe_lookup([8, 8], [0, 8], [1, 3])
-    one, three = planner.lookup_tokens(0, 1), planner.lookup_tokens(0, 3)
+    one, two, three = planner.lookup_sizes(0)
     assert one == 0 and three == 8
-    assert planner.lookup_tokens(0, 2) == prior[1]  # a match length never seen keeps its prior  # a match length never seen keeps its prior
+    assert two == prior[1]  # a match length never seen keeps its prior

@@ -62,14 +62,15 @@ def test_accept_follows_the_target_choice_into_second_children():
     # the target wants 11 after the root (node 2), then 14 (node 5), then 7 (no such child: bonus)
     y = torch.tensor([[11, 0, 14, 0, 0, 7, 0]])
     acc = accept(tree, y, tree.ancestors())
-    assert acc.path.tolist() == [[0, 2, 5]] and acc.length.tolist() == [3] and acc.bonus.tolist() == [7]
+    # the path is padded with its last node to the tree's height + 1 (known without reading the device)
+    assert acc.path.tolist() == [[0, 2, 5, 5]] and acc.length.tolist() == [3] and acc.bonus.tolist() == [7]
 
 
 def test_accept_nothing_gives_the_bonus_at_the_root():
     tree = _tree([9, 10, 11, 12, 13, 14, 15])
     y = torch.tensor([[3, 12, 0, 0, 0, 0, 0]])  # 12 would match node 3, but node 1 is not accepted
     acc = accept(tree, y, tree.ancestors())
-    assert acc.path.tolist() == [[0]] and acc.length.tolist() == [1] and acc.bonus.tolist() == [3]
+    assert acc.path.tolist() == [[0, 0, 0, 0]] and acc.length.tolist() == [1] and acc.bonus.tolist() == [3]
 
 
 def test_accept_full_depth():
