@@ -26,6 +26,7 @@ from eyas.models.atomic import atomic_file
 from eyas.models.errors import MissingInput
 
 from .bench_report import format_table, summarize, write_plot
+from .runtimes_vllm import VllmOptions
 from .sampling import Sampling, choose
 from .timing import synchronize
 
@@ -127,6 +128,7 @@ def run_bench(
     seed: int = 0,
     out: str | os.PathLike | None = None,
     progress: bool = True,
+    vllm: VllmOptions | None = None,
     **tree_options: Any,
 ) -> dict[str, Any]:
     """Benchmark `head` on `target` over `questions`; returns the report (see bench_report.summarize).
@@ -135,6 +137,8 @@ def run_bench(
     candidate tokens. eyas_plain: also time plain one-token decoding through eyas's own Target (same kernels
     as the verify, no drafting), to separate the speculation's gain from the Target's faster logits.
     out: if set, write the report there atomically and a PNG beside it.
+    vllm: also run the head (exported to the speculators layout) and plain decoding through vLLM
+    (runtimes_vllm.py), after eyas's runs, on the same prompts and sampling.
     tree_options go to SpeculativeGenerator.from_pretrained (kind, depth, top_k, total_tokens, paths).
     A Target passed in is used where it is (device) and must already be in `dtype`.
     """
@@ -147,7 +151,7 @@ def run_bench(
         torch.set_num_threads(threads)
     try:
         report = _run(target, head, questions, max_new_tokens, temperature, top_p, top_k, dtype, device,
-                      prompt_lookup, eyas_plain, seed, progress, tree_options)
+                      prompt_lookup, eyas_plain, seed, progress, tree_options, vllm)
     finally:
         torch.set_num_threads(threads_before)
     if out is not None:
@@ -157,7 +161,7 @@ def run_bench(
 
 def _run(target, head, questions: list[Question], max_new_tokens: int, temperature: float, top_p: float, top_k: int,
          dtype: str, device: str, prompt_lookup: int | None, eyas_plain: bool, seed: int, progress: bool,
-         tree_options: dict[str, Any]) -> dict:
+         tree_options: dict[str, Any], vllm: VllmOptions | None = None) -> dict:
     target, gen = load_generator(target, head, dtype, device, tree_options)
     eos = target.eos_ids()
     sampling = temperature > 0
@@ -205,7 +209,7 @@ def _run(target, head, questions: list[Question], max_new_tokens: int, temperatu
     if eyas_plain:
         one_token(warm, WARMUP_TOKENS, seed)
 
-    rows = []
+    rows, references = [], []
     bar = tqdm(questions, desc="bench", unit="q", disable=not progress)
     for i, q in enumerate(bar):
         ids = prompt_ids(target, q)
@@ -219,7 +223,17 @@ def _run(target, head, questions: list[Question], max_new_tokens: int, temperatu
         order = list(runs) if i % 2 == 0 else list(reversed(runs))  # alternate who runs first
         done = {name: runs[name]() for name in order}
         rows.append(_row(q, ids, done, sampling, gen.head))
+        references.append(done["baseline"][0])
         bar.set_postfix_str(_running(rows))
+
+    vllm_info = None
+    if vllm is not None:  # one engine for all questions (its start compiles for minutes), after eyas's runs
+        runs_as = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
+        extra, vllm_info = vllm.bench(target, gen.head if isinstance(head, DraftHead) else head,
+                                      [prompt_ids(target, q) for q in questions], runs_as, eos, dtype,
+                                      reference=None if sampling else references)
+        for row, fields in zip(rows, extra):
+            row.update(fields)
 
     tree = asdict(gen.options)
     if gen.planner is not None:  # "auto": the cost model it measured on this machine
@@ -227,7 +241,7 @@ def _run(target, head, questions: list[Question], max_new_tokens: int, temperatu
     report = {"settings": settings(target, head, tree=tree, dtype=dtype, max_new_tokens=max_new_tokens,
                                    temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
                                    prompt_lookup=prompt_lookup, eyas_plain=eyas_plain, eos_token_ids=eos,
-                                   questions=len(rows)),
+                                   questions=len(rows), vllm=vllm_info),
               # a static tree's depth is its longest path: leave the positions to the observed cycles
               **summarize(rows, sampling=sampling, depth=tree["depth"] if tree["kind"] != "static" else None)}
     return report

@@ -21,6 +21,9 @@ merged later. Conventions:
 - eyas_plain_* (with --eyas-plain): plain one-token decoding through eyas's Target. Its speedup
   over generate is what eyas's faster kernels alone give; `speedup_over_eyas_plain` is what the
   speculation adds on top of them.
+- vllm_* (with --vllm): the same head in vLLM (runtimes_vllm.py), a chain of vllm_draft_tokens per step.
+  vllm_tau and vllm_accept_rate_per_position follow the definitions above; vllm_speedup is over generate;
+  vllm_plain_* is vLLM without the head and `vllm_speedup_over_plain` what the head adds inside vLLM.
 """
 
 from __future__ import annotations
@@ -79,6 +82,8 @@ def _summary(rows: Sequence[dict[str, Any]], sampling: bool, positions: int) -> 
         pl_same = all(r["baseline_tokens"] == r["prompt_lookup_tokens"] for r in rows)
         s["prompt_lookup_tokens_per_s"] = _ratio(pl_tokens, pl_time)
         s["prompt_lookup_speedup"] = _speedup(base_tokens, base_time, pl_tokens, pl_time, pl_same)
+    if rows and all("vllm_time_s" in r for r in rows):
+        s.update(_vllm_summary(rows, sampling, base_tokens, base_time))
     if all("eyas_plain_time_s" in r for r in rows):
         ep_tokens, ep_time = _total(rows, "eyas_plain_tokens"), _total(rows, "eyas_plain_time_s")
         ep_same = all(r["baseline_tokens"] == r["eyas_plain_tokens"] for r in rows)
@@ -86,6 +91,27 @@ def _summary(rows: Sequence[dict[str, Any]], sampling: bool, positions: int) -> 
         s["eyas_plain_speedup"] = _speedup(base_tokens, base_time, ep_tokens, ep_time, ep_same)
         s["speedup_over_eyas_plain"] = _speedup(ep_tokens, ep_time, spec_tokens, spec_time,
                                                 all(r["eyas_plain_tokens"] == r["spec_tokens"] for r in rows))
+    return s
+
+
+def _vllm_summary(rows: Sequence[dict[str, Any]], sampling: bool, base_tokens: float,
+                  base_time: float) -> dict[str, Any]:
+    accepted = [a for r in rows for a in r["vllm_accepted"]]
+    depth = max(r["vllm_draft_tokens"] for r in rows)
+    tokens, time = _total(rows, "vllm_tokens"), _total(rows, "vllm_time_s")
+    s: dict[str, Any] = {
+        "vllm_tau": sum(accepted) / len(accepted) if accepted else 0.0,
+        "vllm_accept_rate_per_position": accept_rate_per_position(accepted, depth),
+        "vllm_tokens_per_s": _ratio(tokens, time),
+        "vllm_speedup": _speedup(base_tokens, base_time, tokens, time,
+                                 all(r["baseline_tokens"] == r["vllm_tokens"] for r in rows)),
+        "vllm_exact_match_fraction": None if sampling else sum(bool(r["vllm_exact"]) for r in rows) / len(rows),
+    }
+    if all("vllm_plain_time_s" in r for r in rows):
+        p_tokens, p_time = _total(rows, "vllm_plain_tokens"), _total(rows, "vllm_plain_time_s")
+        s["vllm_plain_tokens_per_s"] = _ratio(p_tokens, p_time)
+        s["vllm_speedup_over_plain"] = _speedup(p_tokens, p_time, tokens, time,
+                                                all(r["vllm_plain_tokens"] == r["vllm_tokens"] for r in rows))
     return s
 
 
@@ -136,6 +162,14 @@ def format_table(report: dict[str, Any]) -> str:
     if report["overall"]["speedup_basis"] != "time":
         out.append("speedup is a tokens/s ratio: outputs differ in length (sampling), so times are not for the same tokens")
     o = report["overall"]
+    if "vllm_tau" in o:
+        rates = ", ".join("-" if r is None else f"{r:.2f}" for r in o["vllm_accept_rate_per_position"])
+        exact = o["vllm_exact_match_fraction"]
+        plain = (f"; vLLM plain {o['vllm_plain_tokens_per_s']:.1f} tok/s, the head adds "
+                 f"{o['vllm_speedup_over_plain']:.2f}x") if "vllm_plain_tokens_per_s" in o else ""
+        out.append(f"vLLM {report['settings'].get('vllm', {}).get('version', '')}, same head: tau {o['vllm_tau']:.2f} "
+                   f"(acceptance per position {rates}), {o['vllm_tokens_per_s']:.1f} tok/s, "
+                   f"{o['vllm_speedup']:.2f}x generate{plain}" + ("" if exact is None else f", exact {exact:.2f}"))
     if "eyas_plain_speedup" in o:
         out.append(f"eyas plain one-token decoding: {o['eyas_plain_tokens_per_s']:.1f} tok/s, "
                    f"{o['eyas_plain_speedup']:.2f}x generate (kernels alone); speculation adds "
@@ -144,36 +178,32 @@ def format_table(report: dict[str, Any]) -> str:
 
 
 def write_plot(report: dict[str, Any], path: str | os.PathLike) -> None:
-    """Two panels: acceptance per draft position, and speedup per category (with prompt lookup if run)."""
+    """Two panels: acceptance per draft position, and speedup per category, eyas's bars beside those of prompt
+    lookup and vLLM where they ran."""
     import matplotlib
 
     matplotlib.use("Agg")  # files only; never needs a display
     import matplotlib.pyplot as plt
 
     fig, (ax_acc, ax_speed) = plt.subplots(1, 2, figsize=(11, 4))
-    rates = report["overall"]["accept_rate_per_position"]
-    xs = [k + 1 for k, r in enumerate(rates) if r is not None]
-    ax_acc.bar_label(ax_acc.bar(xs, [r for r in rates if r is not None], color="tab:blue"), fmt="%.2f")
-    ax_acc.set(xlabel="draft position", ylabel="acceptance rate (given previous accepted)", ylim=(0, 1),
-               title=f"acceptance per position (tau {report['overall']['tau']:.2f})")
-    ax_acc.set_xticks(xs)
+    o = report["overall"]
+    rates = {"eyas": o["accept_rate_per_position"], "vLLM": o.get("vllm_accept_rate_per_position")}
+    positions = max(len(r) for r in rates.values() if r is not None)
+    _bars(ax_acc, list(range(1, positions + 1)),
+          [(name, [r[k] if r is not None and k < len(r) else None for k in range(positions)], color)
+           for (name, r), color in zip(rates.items(), ("tab:blue", "tab:orange")) if r is not None])
+    vllm_tau = f", vLLM {o['vllm_tau']:.2f}" if "vllm_tau" in o else ""
+    title = f"acceptance per position (tau {o['tau']:.2f}{vllm_tau})"
+    ax_acc.set(xlabel="draft position", ylabel="acceptance rate (given previous accepted)", ylim=(0, 1), title=title)
 
-    groups = sorted(report["per_category"].items()) + [("overall", report["overall"])]
-    names = [n for n, _ in groups]
-    has_lookup = all("prompt_lookup_speedup" in s for _, s in groups)
-    width = 0.4 if has_lookup else 0.8
-    pos = range(len(groups))
-    bars = ax_speed.bar([p - width / 2 * has_lookup for p in pos], [s["speedup"] for _, s in groups], width,
-                        label="eyas")
-    ax_speed.bar_label(bars, fmt="%.2f")
-    if has_lookup:
-        bars = ax_speed.bar([p + width / 2 for p in pos], [s["prompt_lookup_speedup"] for _, s in groups], width,
-                            label="prompt lookup", color="tab:gray")
-        ax_speed.bar_label(bars, fmt="%.2f")
+    groups = sorted(report["per_category"].items()) + [("overall", o)]
+    series = [("eyas", "speedup", "tab:blue"), ("prompt lookup", "prompt_lookup_speedup", "tab:gray"),
+              ("vLLM", "vllm_speedup", "tab:orange")]
+    _bars(ax_speed, [n for n, _ in groups], [(label, [s[key] for _, s in groups], color)
+                                            for label, key, color in series if all(key in s for _, s in groups)])
     ax_speed.axhline(1.0, color="black", linewidth=0.8)
-    ax_speed.set_xticks(list(pos), names, rotation=30, ha="right")
+    plt.setp(ax_speed.get_xticklabels(), rotation=30, ha="right")
     ax_speed.set(ylabel="speedup over transformers generate", title="speedup per category")
-    ax_speed.legend()
     st = report.get("settings", {})
     fig.suptitle(f"{st.get('target', '')}  {st.get('dtype', '')}  T={st.get('temperature', '')}  "
                  f"{st.get('max_new_tokens', '')} new tokens", fontsize=9)
@@ -181,3 +211,15 @@ def write_plot(report: dict[str, Any], path: str | os.PathLike) -> None:
     with atomic_file(path, "wb") as f:
         fig.savefig(f, format="png", dpi=120)
     plt.close(fig)
+
+
+def _bars(ax, labels: list, series: list[tuple[str, list[float | None], str]]) -> None:
+    """Grouped bars: one group per label, one bar per series (None values left out), each with its value."""
+    width = 0.8 / len(series)
+    for j, (name, values, color) in enumerate(series):
+        xs = [i + (j - (len(series) - 1) / 2) * width for i, v in enumerate(values) if v is not None]
+        ax.bar_label(ax.bar(xs, [v for v in values if v is not None], width, label=name, color=color), fmt="%.2f")
+    ax.set_xticks(range(len(labels)), labels)
+    ax.margins(y=0.2)  # room for the values and the legend above the bars
+    if len(series) > 1:
+        ax.legend(loc="upper left")

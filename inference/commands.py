@@ -45,6 +45,16 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--eyas-plain", action="store_true",
                    help="also time plain one-token decoding through eyas's Target: separates what its faster "
                    "logits give from what speculation gives")
+    p.add_argument("--vllm", action="store_true",
+                   help="also run the head (exported to the speculators layout) and plain decoding through vLLM, "
+                   "installed in its own environment (docs/runtimes.md); its tau, acceptance and tok/s join the report")
+    p.add_argument("--vllm-python", default=None, metavar="PYTHON",
+                   help="python of the environment vLLM is installed in (default: $EYAS_VLLM_PYTHON)")
+    p.add_argument("--vllm-draft-tokens", type=int, default=5, metavar="K",
+                   help="vLLM drafts a chain of K tokens per step (default: 5)")
+    p.add_argument("--vllm-eager", action="store_true",
+                   help="vLLM without torch.compile: its engine starts in seconds instead of minutes, decodes slower")
+    p.add_argument("--no-vllm-plain", action="store_true", help="skip vLLM's plain decoding (one engine start less)")
     p.set_defaults(func=_bench)
     p = sub.add_parser("demo", help="the main job: self-distil data, train the demo head, export it, benchmark it",
                        description="Have the target answer ShareGPT prompts itself (self-distillation, with the "
@@ -214,16 +224,26 @@ def tree_options(args: argparse.Namespace) -> dict:
 def _bench(args: argparse.Namespace) -> int:
     from pathlib import Path
 
+    from eyas.models.errors import MissingInput
+
     from .bench import format_table, run_bench
+    from .runtimes_vllm import VllmOptions, vllm_python
 
     _placement(args)
+    vllm = None
+    if args.vllm:
+        python = vllm_python(args.vllm_python)
+        if python is None:
+            raise MissingInput("--vllm needs vLLM's interpreter: pass --vllm-python or set EYAS_VLLM_PYTHON "
+                               "(docs/runtimes.md: installing vLLM beside eyas)")
+        vllm = VllmOptions(python, args.vllm_draft_tokens, args.vllm_eager, not args.no_vllm_plain)
     report = run_bench(args.target, args.head, args.questions, max_new_tokens=args.max_new_tokens,
                        # the bench states its settings for every side: greedy unless asked (not generation_config)
                        temperature=args.temperature or 0.0, top_p=args.top_p or 1.0, top_k=args.top_k or 0,
                        seed=args.seed,
                        dtype=args.dtype, device=args.device, limit=args.limit, per_category=args.per_category,
                        threads=args.threads,
-                       prompt_lookup=args.prompt_lookup, eyas_plain=args.eyas_plain, out=args.out,
+                       prompt_lookup=args.prompt_lookup, eyas_plain=args.eyas_plain, out=args.out, vllm=vllm,
                        **tree_options(args))
     print(format_table(report))
     print(f"report: {args.out}\nplot:   {Path(args.out).with_suffix('.png')}")

@@ -128,3 +128,56 @@ def run_vllm(python: str, model: str, prompts: Sequence[Sequence[int]], settings
                             f"its last output:\n{tail}")
         result = json.loads(out.read_text())
     return VllmRun([VllmRow(**r) for r in result["rows"]], result["engine_start_s"], result["vllm_version"])
+
+
+@dataclass(frozen=True)
+class VllmOptions:
+    """`eyas bench --vllm`: which vLLM, how it drafts, and whether its plain decoding runs too."""
+
+    python: str
+    draft_tokens: int = 5  # vLLM's num_speculative_tokens: a chain this long per step
+    eager: bool = False
+    plain: bool = True
+    max_model_len: int = 4096
+
+    def bench(self, target, head, prompts: Sequence[Sequence[int]], sampling: dict, eos: Sequence[int], dtype: str,
+              reference: Sequence[Sequence[int]] | None = None) -> tuple[list[dict], dict]:
+        """`eyas bench`'s vLLM fields for each prompt, and the run's description.
+
+        The head (a folder in any layout, or a DraftHead) is exported for vLLM and run speculatively and, with
+        `plain`, plain decoding, each in one engine; `sampling` holds max_new_tokens, temperature, top_p, top_k
+        and seed (question i gets seed + i, as eyas's side does). Fields: vllm_tokens, vllm_time_s,
+        vllm_accepted (tokens gained per drafting step), vllm_draft_tokens, vllm_exact (output == `reference`,
+        the baseline's tokens; None without one), and vllm_plain_tokens, vllm_plain_time_s, vllm_plain_exact."""
+        import torch
+
+        from eyas.models import DraftHead, save_head
+
+        settings = VllmSettings(**sampling, eos_token_ids=tuple(eos), num_speculative_tokens=self.draft_tokens,
+                                dtype={"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}.get(dtype, dtype),
+                                threads=torch.get_num_threads(), max_model_len=self.max_model_len,
+                                enforce_eager=self.eager)
+        model = vllm_model(target.name_or_path)
+        with tempfile.TemporaryDirectory(prefix="eyas-vllm-head-") as tmp:
+            if isinstance(head, DraftHead):
+                save_head(head, Path(tmp) / "eyas")
+                head = Path(tmp) / "eyas"
+            exported = export_for_vllm(head, Path(tmp) / "speculators", target)
+            spec = run_vllm(self.python, model, prompts, settings, exported)
+        base = run_vllm(self.python, model, prompts, settings) if self.plain else None
+
+        def same(tokens: list[int], i: int) -> bool | None:
+            return None if reference is None else tokens == list(reference[i])
+
+        rows = []
+        for i, s in enumerate(spec.rows):
+            row = {"vllm_tokens": len(s.tokens), "vllm_time_s": s.time_s, "vllm_accepted": s.accepted,
+                   "vllm_draft_tokens": self.draft_tokens, "vllm_exact": same(s.tokens, i)}
+            if base is not None:
+                b = base.rows[i]
+                row.update(vllm_plain_tokens=len(b.tokens), vllm_plain_time_s=b.time_s,
+                           vllm_plain_exact=same(b.tokens, i))
+            rows.append(row)
+        info = {"version": spec.version, "draft_tokens": self.draft_tokens, "eager": self.eager,
+                "engine_start_s": spec.engine_start_s, "plain": base is not None, "python": self.python}
+        return rows, info

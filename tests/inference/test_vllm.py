@@ -1,24 +1,39 @@
 """An exported head in vLLM: it loads, its greedy output equals vLLM's plain greedy (and transformers'), and every
 draft vLLM proposes equals the chain eyas's own head drafts from the same context.
 
-Runs only where vLLM is installed: set EYAS_VLLM_PYTHON to the python of its environment (docs/runtimes.md).
-Three engine starts (plain, two heads) in eager mode: a few minutes on a 2-core CPU."""
+Those run only where vLLM is installed: set EYAS_VLLM_PYTHON to the python of its environment
+(docs/runtimes.md); three engine starts (plain, two heads) in eager mode, a few minutes on a 2-core CPU.
+Without vLLM: how its counters become eyas bench's per-cycle numbers, and the bench's vLLM columns with a
+stand-in for the engine."""
 
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from eyas.inference.runtimes_vllm import VllmSettings, export_for_vllm, run_vllm, vllm_python
+from eyas.inference import runtimes_vllm
+from eyas.inference.bench import run_bench
+from eyas.inference.cli import main
+from eyas.inference.runtimes_vllm import (
+    VllmOptions,
+    VllmRow,
+    VllmRun,
+    VllmSettings,
+    export_for_vllm,
+    run_vllm,
+    vllm_python,
+)
 from eyas.models import DraftHead, Target, save_head
 from eyas.models.head_config import head_config_for
-from tests.helpers.tiny import tiny_tokenizer
+from tests.helpers.tiny import tiny_target, tiny_tokenizer
+from tests.helpers.train import write_target
 
 PYTHON = vllm_python()
-pytestmark = pytest.mark.skipif(PYTHON is None, reason="vLLM is not installed (set EYAS_VLLM_PYTHON)")
+needs_vllm = pytest.mark.skipif(PYTHON is None, reason="vLLM is not installed (set EYAS_VLLM_PYTHON)")
 
 K = 3  # draft tokens per step
 SETTINGS = VllmSettings(max_new_tokens=24, eos_token_ids=(3,), num_speculative_tokens=K, threads=2,
@@ -74,6 +89,7 @@ def eyas_chain(target, head, context: list[int], k: int) -> list[int]:
     return drafts
 
 
+@needs_vllm
 @pytest.mark.parametrize("name", list(HEADS))
 def test_exported_head_is_lossless_in_vllm(runs, name):
     target, _, results = runs
@@ -85,6 +101,7 @@ def test_exported_head_is_lossless_in_vllm(runs, name):
         assert spec.drafts > 0 and spec.draft_tokens == K * spec.drafts
 
 
+@needs_vllm
 @pytest.mark.parametrize("name", list(HEADS))
 def test_vllm_drafts_equal_eyas_drafts(runs, name):
     """Step c of vLLM drafts after prompt + output[:m_c] (m_0 = 1: the prefill samples the first token); it gains
@@ -101,3 +118,60 @@ def test_vllm_drafts_equal_eyas_drafts(runs, name):
             accepted = next((j for j in range(K) if m + j >= len(out) or proposal[j] != out[m + j]), K)
             m += accepted + 1
     assert compared >= 20
+
+
+def test_counters_become_per_step_accepted_lengths():
+    # 5 drafting steps; 3 accepted position 1, 1 accepted position 2, none position 3
+    row = VllmRow(tokens=[1] * 10, time_s=1.0, drafts=5, draft_tokens=15, accepted_tokens=4,
+                  accepted_per_position=[3, 1, 0])
+    assert sorted(row.accepted) == [1, 1, 2, 2, 3]
+    assert row.tau == sum(row.accepted) / len(row.accepted) == 1.8
+
+
+def test_bench_reports_vllm_beside_eyas(tmp_path, monkeypatch, capsys):
+    """The bench's vLLM columns, with a stand-in engine: the head reaches it exported as speculators, the prompts
+    are eyas's, and the report, table and plot carry vLLM's tau, acceptance and speed."""
+    folder = write_target(tmp_path / "target")
+    target = Target.load(str(folder))
+    torch.manual_seed(0)
+    save_head(DraftHead(head_config_for(target, "eagle3", draft_vocab_size=100), target), tmp_path / "head")
+    calls = []
+
+    def engine(python, model, prompts, settings, head=None):
+        calls.append((model, head is not None, settings))
+        if head is not None:
+            assert json.loads((head / "config.json").read_text())["speculators_model_type"] == "eagle3"
+        rows = []
+        for ids in prompts:
+            out = target.model.generate(torch.tensor([ids]), max_new_tokens=settings.max_new_tokens, do_sample=False,
+                                        eos_token_id=list(settings.eos_token_ids), pad_token_id=1)[0, len(ids):]
+            rows.append(VllmRow(out.tolist(), 0.5, drafts=4, draft_tokens=8, accepted_tokens=3,
+                                accepted_per_position=[2, 1]) if head is not None else VllmRow(out.tolist(), 1.0))
+        return VllmRun(rows, 12.0, "0.0-standin")
+
+    monkeypatch.setattr(runtimes_vllm, "run_vllm", engine)
+    questions = tmp_path / "q.jsonl"
+    questions.write_text("".join(json.dumps({"question_id": i, "category": c, "turns": [t]}) + "\n"
+                                 for i, (c, t) in enumerate([("writing", "hello w1 w2"), ("code", "the w5 w6")])))
+    report = run_bench(str(folder), tmp_path / "head", questions, max_new_tokens=8, out=tmp_path / "r.json",
+                       progress=False, vllm=VllmOptions("unused", draft_tokens=2), kind="chain", depth=2)
+    assert [(m, spec) for m, spec, _ in calls] == [(str(folder.resolve()), True), (str(folder.resolve()), False)]
+    assert calls[0][2].num_speculative_tokens == 2 and calls[0][2].max_new_tokens == 8
+    o = report["overall"]
+    assert o["vllm_tau"] == pytest.approx((1 + 1 + 2 + 3) / 4)  # each question: steps gaining 1, 1, 2, 3 tokens
+    assert o["vllm_accept_rate_per_position"] == [pytest.approx(2 / 4), pytest.approx(1 / 2)]
+    assert o["vllm_exact_match_fraction"] == 1.0 and o["vllm_speedup_over_plain"] == pytest.approx(2.0)
+    assert report["settings"]["vllm"]["version"] == "0.0-standin"
+    assert (tmp_path / "r.png").stat().st_size > 0
+    from eyas.inference.bench import format_table
+
+    assert "vLLM 0.0-standin, same head: tau 1.75" in format_table(report)
+
+
+def test_bench_vllm_without_an_interpreter_is_one_clear_line(tmp_path, monkeypatch, capsys):
+    monkeypatch.delenv("EYAS_VLLM_PYTHON", raising=False)
+    target = tiny_target()
+    save_head(DraftHead(head_config_for(target, "eagle3"), target), tmp_path / "head")
+    assert main(["bench", "--target", str(write_target(tmp_path / "t")), "--head", str(tmp_path / "head"),
+                 "--out", str(tmp_path / "r.json"), "--vllm"]) == 2
+    assert "EYAS_VLLM_PYTHON" in capsys.readouterr().err
