@@ -16,7 +16,10 @@ def head_config_for(
     c = target.config
     heads = c.num_attention_heads
     # the head's MLP width is its own choice; mirror the target's where the config names it
-    intermediate = getattr(c, "intermediate_size", None) or getattr(c, "ffn_hidden_size", None) or 4 * target.hidden_size
+    intermediate = (getattr(c, "intermediate_size", None) or getattr(c, "ffn_hidden_size", None)
+                    or 4 * target.hidden_size)
+    if isinstance(intermediate, (list, tuple)):  # one width per layer (Gemma 3n): the widest
+        intermediate = max(intermediate)
     if head_type == "eagle3":
         ids = tuple(fused_layer_ids) if fused_layer_ids is not None else default_fused_layer_ids(target.num_layers)
     else:

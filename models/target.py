@@ -64,12 +64,23 @@ class TargetOutput:
     features: torch.Tensor | None  # [B, T, len(layer_ids) * H] concatenated layer inputs (EAGLE-3)
 
 
-def _decoder_layers(model: PreTrainedModel) -> nn.ModuleList:
-    n = model.config.get_text_config().num_hidden_layers
-    for module in model.get_decoder().modules():
+def _decoder(model: PreTrainedModel) -> nn.Module:
+    """The CausalLM's decoder (the model without its head). get_decoder() returns the CausalLM itself where its
+    base_model_prefix names no attribute (Llama4ForCausalLM): then the one child model that holds the layers."""
+    decoder = model.get_decoder()
+    if decoder is not model:
+        return decoder
+    children = [m for m in model.children() if isinstance(m, PreTrainedModel)]
+    if len(children) != 1:
+        raise Unsupported(f"could not find the decoder of {type(model).__name__}")
+    return children[0]
+
+
+def _decoder_layers(decoder: nn.Module, n: int) -> nn.ModuleList:
+    for module in decoder.modules():
         if isinstance(module, nn.ModuleList) and len(module) == n:
             return module
-    raise Unsupported(f"could not find the {n} decoder layers of {type(model).__name__}")
+    raise Unsupported(f"could not find the {n} decoder layers of {type(decoder).__name__}")
 
 
 class _GivenOutput:
@@ -113,7 +124,8 @@ class Target(nn.Module):
         self.hidden_size: int = text.hidden_size
         self.vocab_size: int = text.vocab_size
         self.num_layers: int = text.num_hidden_layers
-        self._layers = _decoder_layers(model)
+        self.decoder = _decoder(model)
+        self._layers = _decoder_layers(self.decoder, self.num_layers)
         self._fingerprint: str | None = None
         self._kinds: dict[str, Kind] | None = None
         self._verify_mode: str | None = None
@@ -156,19 +168,69 @@ class Target(nn.Module):
             ids.add(self.tokenizer.eos_token_id)
         return sorted(ids)
 
+    @property
+    def max_length(self) -> int | None:
+        """The most tokens a sequence may hold (the model's position limit), None where the config names none."""
+        for name in ("max_position_embeddings", "n_positions", "max_seq_len"):
+            if isinstance(value := getattr(self.config, name, None), int):
+                return value
+        return None
+
+    def check_length(self, tokens: int) -> None:
+        """Raise if eyas cannot decode a sequence of `tokens` tokens (prompt + new) exactly for this target."""
+        limit = self.max_length
+        if limit is not None and tokens > limit:
+            raise InputError(f"prompt + max_new_tokens = {tokens} tokens exceeds the target's max_position_embeddings "
+                             f"({limit}); shorten the prompt or lower max_new_tokens")
+        for rope_type, switch in self._length_dependent_rope():
+            if tokens > switch:
+                raise Unsupported(
+                    f"target {self.name_or_path!r} uses rope_type {rope_type!r}, whose frequencies change with the "
+                    f"length of a forward once a sequence passes {switch} tokens: keys cached before then no longer "
+                    f"match the model's own forward (a batch's longest row would change the others'), so prompt + "
+                    f"max_new_tokens = {tokens} cannot be decoded exactly; keep it <= {switch}")
+
+    def _length_dependent_rope(self) -> list[tuple[str, int]]:
+        """(rope type, length beyond which its frequencies depend on the forward's length) of every rope setting
+        transformers recomputes per forward (dynamic_rope_update: "dynamic" types, "longrope")."""
+        c = self.config
+        params = getattr(c, "rope_parameters", None) or {}
+        sets = list(params.values()) if params and all(isinstance(v, dict) for v in params.values()) else [params]
+        found = []
+        for p in sets:
+            rope_type = p.get("rope_type", "default")
+            if "dynamic" in rope_type or rope_type == "longrope":
+                switch = (p.get("original_max_position_embeddings")
+                          or getattr(c, "original_max_position_embeddings", None) or self.max_length)
+                if switch is not None:
+                    found.append((rope_type, int(switch)))
+        return found
+
     def attention_kinds(self) -> dict[str, Kind]:
-        """transformers' layer type -> its attention kind, for every type the decoder uses."""
+        """transformers' layer type -> its attention kind, for every type of attention layer the decoder uses
+        (the keys the model reads its masks under)."""
         if self._kinds is not None:
             return self._kinds
-        types, kwargs = get_layer_types_and_kwargs(self.model.config.get_text_config(decoder=True))
+        config = self.model.config.get_text_config(decoder=True)
+        types, kwargs = get_layer_types_and_kwargs(config)
+        own = getattr(config, "layer_types", None) or types
         kinds: dict[str, Kind] = {}
-        for layer_type, kw in zip(types, kwargs):
+        for i, (layer_type, kw) in enumerate(zip(types, kwargs)):
+            if layer_type == "dummy":  # keeps no cache of its own (reads another layer's, or attends to nothing)
+                layer_type = own[i]
+                if layer_type not in _KINDS:
+                    continue
+                kw = {"sliding_window": getattr(config, "sliding_window", None) if layer_type == "sliding_attention"
+                      else getattr(config, "attention_chunk_size", None) if layer_type == "chunked_attention" else None}
             if layer_type not in _KINDS:
-                raise Unsupported(f"target {self.name_or_path!r} has {layer_type!r} layers; eyas verifies drafts over "
-                                  f"attention layers only ({', '.join(_KINDS)})")
+                raise Unsupported(
+                    f"target {self.name_or_path!r} has {layer_type!r} layers, which carry a recurrent or convolutional "
+                    "state from token to token: eyas verifies drafts over attention layers only (their keys and values "
+                    "are kept per token, so a rejected draft is dropped); use a transformer target")
             kind = (_KINDS[layer_type], kw.get("sliding_window"))
             if kinds.setdefault(layer_type, kind) != kind:
-                raise Unsupported(f"target {self.name_or_path!r} has {layer_type!r} layers with different windows")
+                raise Unsupported(f"target {self.name_or_path!r} has {layer_type!r} layers with different windows "
+                                  f"({kinds[layer_type][1]} and {kind[1]})")
         self._kinds = kinds
         return kinds
 
@@ -228,13 +290,18 @@ class Target(nn.Module):
             with writing, cpu_linears(self._linears, b * t), cpu_attention(on_cpu, need):
                 if allowed is not None:
                     mask = self._layer_masks(allowed, position_ids, cache.key_positions(width))
-                out = self.model.get_decoder()(input_ids=input_ids, attention_mask=mask, position_ids=position_ids,
-                                               cache=cache, use_cache=cache is not None)
+                out = self.decoder(input_ids=input_ids, attention_mask=mask, position_ids=position_ids, cache=cache,
+                                   use_cache=cache is not None)
         finally:
             for h in hooks:
                 h.remove()
         hidden = out.last_hidden_state
         captured[self.num_layers] = hidden
+        if any(captured[i].shape != hidden.shape for i in layer_ids):
+            shape = next(tuple(captured[i].shape) for i in layer_ids if captured[i].shape != hidden.shape)
+            raise Unsupported(f"target {self.name_or_path!r} passes its hidden state between decoder layers as "
+                              f"{shape} (several streams, as Gemma 3n's AltUp), not [B, T, H]: EAGLE-3 features are "
+                              "one stream per layer; use an eagle1 head, which reads the decoder's output")
         features = torch.cat([captured[i] for i in layer_ids], dim=-1) if layer_ids else None
         logit_out = None
         if isinstance(logits, torch.Tensor):
@@ -268,24 +335,28 @@ class Target(nn.Module):
     @cached_property
     def _decoder_slot(self) -> tuple[nn.Module, str]:
         """(parent module, attribute) under which the CausalLM holds its decoder."""
-        decoder = self.model.get_decoder()
         for parent in self.model.modules():
             for name, child in parent._modules.items():
-                if child is decoder:
+                if child is self.decoder:
                     return parent, name
         raise Unsupported(f"{type(self.model).__name__} holds no decoder module that eyas can read the logits after")
 
     # ---- can it verify a tree in one forward? --------------------------------------------------
     def verify_mode(self) -> str:
         """"tree": a forward with eyas's masks and positions gives the model's own logits at every node of a draft
-        tree, in rows of different lengths; "chain": it does not (ALiBi models, say, take positions from a 2D mask),
-        so drafts are chains, verified as plain continuations one row at a time. Checked once, on short random
-        sequences (longer than the shortest attention window, up to 48 tokens) against the model's own forward;
-        raises Unsupported if even a plain continuation through eyas's cache disagrees with it."""
+        tree, in rows of different lengths; "chain": it does not (ALiBi models, say, take positions from a 2D mask;
+        GPT-Neo masks its local layers by cache column), so drafts are chains, verified as plain continuations one
+        row at a time, where cache columns are positions and the model builds its own masks. Checked once, against
+        the model's own forward, on short random sequences longer than the shortest declared window, with one row
+        followed by GAP unused cache columns (as a row beside much longer ones has), so a model that masks or
+        positions by cache column shows it. Raises Unsupported if even a plain continuation through eyas's cache
+        disagrees with the model."""
         if self._verify_mode is None:
             with torch.no_grad():
                 self._verify_mode = self._check_verify_mode()
         return self._verify_mode
+
+    GAP = 1024  # unused cache columns after one row's history in the check (at most up to the model's length limit)
 
     def _check_verify_mode(self) -> str:
         gen = torch.Generator().manual_seed(0)
@@ -308,30 +379,43 @@ class Target(nn.Module):
         def close(logits: torch.Tensor, ref: torch.Tensor) -> bool:
             return bool((logits.float() - ref).abs().amax() <= tolerance * ref.abs().amax().clamp(min=1e-6))
 
-        def prefilled(batch: list[list[int]]) -> KVCache:
-            cache = self.new_cache(len(batch), n + 8)
+        def prefilled(batch: list[list[int]], gap: int = 0) -> KVCache:
+            cache = self.new_cache(len(batch), n + gap + 8)
             width = max(map(len, batch)) - 1
             ids = torch.tensor([r[:-1] + [0] * (width - len(r) + 1) for r in batch], device=dev)
             self.forward(ids, cache=cache, logits=False)  # right-padded: causal attention never reaches the padding
+            if not any(layer.is_initialized for layer in cache.layers):
+                raise Unsupported(f"target {self.name_or_path!r} keeps no keys and values in a transformers Cache (a "
+                                  "recurrent model?): eyas verifies drafts over attention layers only")
             cache.commit([len(r) - 1 for r in batch])
+            cache.commit([gap] + [0] * (len(batch) - 1))  # row 0: `gap` columns no token may see
             return cache
 
+        limit = self.max_length
+        gap = self.GAP if limit is None else max(0, min(self.GAP, limit - n - 8))
         try:
-            cache = prefilled(rows)
+            cache = prefilled(rows, gap)
+            history = torch.tensor([len(r) - 1 for r in rows], device=dev)
             tokens = torch.tensor([[r[-1], *branches[0], *branches[1]] for r in rows], device=dev)
-            positions = cache.lengths[:, None] + torch.tensor(parents_depth, device=dev)
-            allowed = after_history(cache.lengths, ancestors.expand(2, -1, -1), cache.width + 5)
+            positions = history[:, None] + torch.tensor(parents_depth, device=dev)
+            width = cache.width + 5
+            col = torch.arange(width, device=dev)
+            gap = (col >= history[:1]) & (col < cache.lengths[:1])  # row 0's unused columns
+            allowed = after_history(cache.lengths, ancestors.expand(2, -1, -1), width)
+            allowed[0] &= ~gap
             out = self.forward(tokens, positions, cache, allowed).logits
             if all(close(out[b], reference[b]) for b in range(2)):
                 return "tree"
             reason = "its logits differ from its own forward's"
+        except Unsupported:
+            raise
         except Exception as e:  # noqa: BLE001 - any failure means trees cannot be verified this way
             reason = f"{type(e).__name__}: {e}"
         cache = prefilled(rows[:1])
         out = self.forward(torch.tensor([[rows[0][-1], *branches[0]]], device=dev), cache=cache).logits[0]
         if not close(out, reference[0][:3]):
-            raise Unsupported(f"target {self.name_or_path!r}: a continuation through eyas's KV cache does not reproduce "
-                              "the model's own logits, so eyas cannot verify drafts for it")
+            raise Unsupported(f"target {self.name_or_path!r}: a continuation through eyas's KV cache does not "
+                              "reproduce the model's own logits, so eyas cannot verify drafts for it")
         logger.warning("target %s cannot verify a draft tree in one forward (%s): eyas drafts chains for it, one row "
                        "at a time", self.name_or_path, reason)
         return "chain"

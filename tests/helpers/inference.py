@@ -8,6 +8,7 @@ from transformers import DynamicCache
 from eyas.inference.acceptance import verify
 from eyas.inference.drafter import Candidates, DraftContext
 from eyas.models import DraftHead, head_config_for
+from eyas.models.kv_cache import KVCache
 
 PROMPTS = [list(range(10, 22)), [40, 41, 7], list(range(100, 131, 2))]
 NO_EOS = dict(eos_token_id=[])
@@ -27,10 +28,19 @@ def greedy(target, prompt, n):
 
 def make_head(target, head_type="eagle3", seed=0):
     torch.manual_seed(seed)
-    head = DraftHead(head_config_for(target, head_type, draft_vocab_size=120 if head_type == "eagle3" else None), target)
+    vocab = 120 if head_type == "eagle3" else None
+    head = DraftHead(head_config_for(target, head_type, draft_vocab_size=vocab), target)
     if head_type == "eagle3":
         head.set_vocab_map(torch.randperm(target.vocab_size)[:120])
     return head
+
+
+def _next_rows(owner, batch):
+    """The references of a generation of `batch` rows: all of them, or (a chain-verifying target decodes a batch
+    one row at a time) the next `batch` in order."""
+    start = 0 if batch == len(owner.all_refs) else owner.served
+    owner.served = (start + batch) % len(owner.all_refs)
+    return [owner.all_refs[(start + i) % len(owner.all_refs)] for i in range(batch)]
 
 
 class Oracle:
@@ -41,11 +51,12 @@ class Oracle:
     """
 
     def __init__(self, refs, depth, corrupt=0.0, decoy=False, seed=0):
-        self.refs, self.depth, self.corrupt, self.decoy = refs, depth, corrupt, decoy
+        self.all_refs, self.served, self.refs = list(refs), 0, list(refs)
+        self.depth, self.corrupt, self.decoy = depth, corrupt, decoy
         self.rng = random.Random(seed)
 
     def reset(self, batch, capacity):
-        pass
+        self.refs = _next_rows(self, batch)
 
     def keep_rows(self, order):
         self.refs = [self.refs[i] for i in order]
@@ -85,3 +96,55 @@ def always_accept_first_child(logits, tree, s, generator=None):
     first.scatter_reduce_(1, tree.parents[:, 1:], torch.arange(1, n).expand(b, -1), "amin")
     has = first < n
     return torch.where(has, tree.tokens.gather(1, first.clamp(max=n - 1)), verify(logits, tree, s, generator))
+
+
+class OracleHead(DraftHead):
+    """Test-only EAGLE-1 head that knows each prompt's reference continuation (refs: prompt + continuation, in
+    generate_batch order). Where the token it is given is the reference's at that position, its logits put the
+    reference's next token first, so the real drafter (chain, static and dynamic expansions, the head's cache and
+    masks) drafts long paths the target accepts. At a share `miss` of positions a wrong token is put first and the
+    right one second: a chain stops there, a tree takes the second child."""
+
+    BONUS = 30.0
+
+    def __init__(self, target, refs, miss=0.2, seed=0):
+        torch.manual_seed(seed)
+        super().__init__(head_config_for(target, "eagle1"), target)
+        self.all_refs, self.served, self.rows = list(refs), 0, list(refs)
+        self.miss, self.seed = miss, seed
+
+    def new_cache(self, batch, capacity):
+        self.rows = _next_rows(self, batch)
+        return _RowTrackingCache(self, self.config.num_layers, batch, capacity, self.fc.weight.device)
+
+    def forward(self, input_ids, hidden, position_ids, allowed=None, cache=None, logits=True):
+        out = super().forward(input_ids, hidden, position_ids, allowed, cache, logits)
+        if out.logits is None:
+            return out
+        bonus = torch.zeros_like(out.logits)
+        positions = position_ids.expand(input_ids.shape).tolist()
+        for b, (ids, pos) in enumerate(zip(input_ids.tolist(), positions)):
+            ref = self.rows[b]
+            for t, (x, q) in enumerate(zip(ids, pos)):  # x is the token at index q + 1; the output predicts q + 2
+                if q + 2 < len(ref) and ref[q + 1] == x:
+                    right = ref[q + 2]
+                    if random.Random(hash((self.seed, q, right))).random() < self.miss:
+                        bonus[b, t, (right + 1 + q) % bonus.shape[-1]] = self.BONUS
+                        bonus[b, t, right] = self.BONUS / 2
+                    else:
+                        bonus[b, t, right] = self.BONUS
+        out.logits = out.logits + bonus
+        return out
+
+
+class _RowTrackingCache(KVCache):
+    """The oracle head's cache: when finished rows leave the batch, the head's references follow them."""
+
+    def __init__(self, head, *args):
+        super().__init__(*args)
+        self.head = head
+
+    def keep_rows(self, keep):
+        order = super().keep_rows(keep)
+        self.head.rows = [self.head.rows[i] for i in order]
+        return order
