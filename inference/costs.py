@@ -10,10 +10,11 @@ thousands of tokens:
 - draft:             s0 + s1 * (levels - 1) + s2 * (catch-up tokens - 1)
 Every cycle's measured times refit them (`CostModel.observe`): least squares with coefficients >= 0 (a
 lucky timing must not make bigger trees look cheaper), older cycles forgotten geometrically (costs move
-with the context and with whatever else the machine runs), one outlier clipped (a stall elsewhere on the
-machine is not the cycle's cost), shrunk toward the starting point where the cycles have not shown
-otherwise. `calibrate` measures that starting point once, on a scratch cache filled with a real prompt.
-On a GPU the verify is flat up to tens of tokens, so trees are large; on a CPU a few nodes.
+with the context), one outlier clipped (a stall elsewhere on the machine is not the cycle's cost), shrunk
+toward the starting point where the cycles have not shown otherwise, all scaled by one factor for the
+machine's current pace (whatever else it runs slows every part alike). `calibrate` measures the starting
+point once, on a scratch cache filled with a real prompt. On a GPU the verify is flat up to tens of
+tokens, so trees are large; on a CPU a few nodes.
 """
 
 from __future__ import annotations
@@ -42,45 +43,70 @@ class LinearFit:
     much as `strength` observations in every direction at first; decay: the weight an observation keeps per
     later one. The prior is forgotten like an observation down to `floor` of its weight: enough to hold the
     directions the observations never vary in (the context length, within a few cycles), too little to
-    bias the ones they do."""
+    bias the ones they do. A few features, refit every observation: plain Python, cheaper than numpy's
+    per-call cost at this size (it runs in every cycle, plain ones included)."""
 
     def __init__(self, prior: Sequence[float], scale: Sequence[float], strength: float = 3.0,
                  decay: float = 0.97, clip: float = 4.0, floor: float = 0.02) -> None:
-        self.prior = np.asarray(prior, dtype=float)
-        self._precision = np.diag(np.square(np.asarray(scale, dtype=float)))
+        n = len(prior)
+        self.prior = [float(p) for p in prior]
+        self._precision = [float(v) ** 2 for v in scale]  # the prior's precision, a diagonal
         self._weight, self._floor = strength, floor * strength
-        self._xx = np.zeros((len(prior), len(prior)))
-        self._xy = np.zeros(len(prior))
+        self._xx = [[0.0] * n for _ in range(n)]
+        self._xy = [0.0] * n
         self.decay, self.clip = decay, clip
-        self.theta = self.prior.copy()
+        self.theta = list(self.prior)
         self.seen = 0
 
     def __call__(self, x: np.ndarray) -> np.ndarray:
         """Predictions for features x [..., F] (never negative)."""
-        return np.maximum(np.asarray(x, dtype=float) @ self.theta, 0.0)
+        return np.maximum(np.asarray(x, dtype=float) @ np.array(self.theta), 0.0)
+
+    def at(self, *x: float) -> float:
+        """The prediction for one feature vector (never negative)."""
+        return max(sum(t * v for t, v in zip(self.theta, x)), 0.0)
 
     def observe(self, x: Sequence[float], y: float) -> None:
-        x = np.asarray(x, dtype=float)
-        y = min(float(y), self.clip * float(self(x)) + 1e-6) if self.seen else float(y)
-        self._xx = self.decay * self._xx + np.outer(x, x)
-        self._xy = self.decay * self._xy + x * y
-        self._weight = max(self.decay * self._weight, self._floor)
+        y = min(float(y), self.clip * self.at(*x) + 1e-6) if self.seen else float(y)
+        d = self.decay
+        for i, xi in enumerate(x):
+            row = self._xx[i]
+            for j, xj in enumerate(x):
+                row[j] = d * row[j] + xi * xj
+            self._xy[i] = d * self._xy[i] + xi * y
+        self._weight = w = max(d * self._weight, self._floor)
         self.seen += 1
-        prior = self._weight * self._precision
-        self.theta = _nonnegative_solve(prior + self._xx, prior @ self.prior + self._xy)
+        n = len(x)
+        a = [[self._xx[i][j] + (w * self._precision[i] if i == j else 0.0) for j in range(n)] for i in range(n)]
+        b = [self._xy[i] + w * self._precision[i] * self.prior[i] for i in range(n)]
+        self.theta = _nonnegative_solve(a, b)
 
 
-def _nonnegative_solve(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+def _nonnegative_solve(a: list[list[float]], b: list[float]) -> list[float]:
     """argmin of x'Ax/2 - b'x over x >= 0 (A positive definite, a few unknowns): active set, one variable at a time."""
-    free = np.ones(len(b), dtype=bool)
-    x = np.zeros(len(b))
-    for _ in range(len(b)):
-        x[:] = 0.0
-        x[free] = np.linalg.solve(a[np.ix_(free, free)], b[free])
-        if (x >= 0).all():
+    free = list(range(len(b)))
+    while True:
+        x = [0.0] * len(b)
+        for i, v in zip(free, _solve([[a[i][j] for j in free] for i in free], [b[i] for i in free])):
+            x[i] = v
+        if min(x) >= 0.0:
             return x
-        free[np.argmin(np.where(free, x, np.inf))] = False
-    return np.maximum(x, 0.0)
+        free.remove(min(free, key=lambda i: x[i]))
+
+
+def _solve(a: list[list[float]], b: list[float]) -> list[float]:
+    """a x = b by Gaussian elimination (a positive definite: no pivoting needed)."""
+    n = len(b)
+    a = [row[:] + [v] for row, v in zip(a, b)]
+    for c in range(n):
+        for r in range(c + 1, n):
+            f = a[r][c] / a[c][c]
+            for k in range(c, n + 1):
+                a[r][k] -= f * a[c][k]
+    x = [0.0] * n
+    for r in range(n - 1, -1, -1):
+        x[r] = (a[r][n] - sum(a[r][k] * x[k] for k in range(r + 1, n))) / a[r][r]
+    return x
 
 
 class CostModel:
@@ -89,13 +115,22 @@ class CostModel:
     The four numbers are the starting point: a target forward over k >= 2 tokens costs verify_s +
     verify_s_per_token * k, a plain cycle plain_s, a draft of one level after one new token draft_step_s,
     and every further level as much again. Context lengths start without a cost of their own.
-    learn=False keeps them (a fixed machine: tests, and replays under one cost model)."""
+
+    One factor, `speed`, scales every part: how much slower the machine runs now than the fits say (another
+    process on the same cores slows plain and tree forwards and drafts alike). Plain cycles set it, quickly
+    (`speed_rate`, in log space): they are the yardstick the planner's guard measures speculation against,
+    and a tree verify that costs more than its fit says may be the tree, not the machine. The fits learn
+    the shape of the costs from measurements divided by it, slowly, so a part the cycles have not run for a
+    while (tree verifies while the head does not pay) is still priced at the machine's current pace.
+    `observe` returns how far the measurement was from the prediction, so the planner can re-measure plain
+    decoding soon when the machine seems to have changed.
+    learn=False keeps everything as given (a fixed machine: tests, and replays under one cost model)."""
 
     def __init__(self, verify_s: float, verify_s_per_token: float, plain_s: float, draft_step_s: float,
-                 decay: float = 0.97, strength: float = 3.0, learn: bool = True) -> None:
+                 decay: float = 0.98, strength: float = 3.0, speed_rate: float = 0.3, learn: bool = True) -> None:
         self.start = dict(verify_s=verify_s, verify_s_per_token=verify_s_per_token, plain_s=plain_s,
                           draft_step_s=draft_step_s)
-        self.learn = learn
+        self.learn, self.speed, self.speed_rate = learn, 1.0, speed_rate
         fit = dict(decay=decay, strength=strength)
         self._plain = LinearFit([plain_s, 0.0], [1.0, 0.5], **fit)
         self._verify = LinearFit([verify_s, verify_s_per_token, 0.0, 0.0], [1.0, 8.0, 0.5, 4.0], **fit)
@@ -106,44 +141,53 @@ class CostModel:
     def verify(self, nodes: int | np.ndarray, context: int) -> np.ndarray | float:
         """Seconds of a cycle but its draft when it verifies `nodes` draft nodes (0: a plain cycle) after
         `context` tokens. nodes may be an array."""
-        n = np.asarray(nodes, dtype=float)
         L = context * PER_TOKEN
-        k = n + 1
+        if isinstance(nodes, (int, np.integer)):
+            k = nodes + 1
+            return self.speed * (self._plain.at(1.0, L) if nodes == 0 else self._verify.at(1.0, k, L, k * L))
+        k = np.asarray(nodes, dtype=float) + 1
         spec = self._verify(np.stack([np.ones_like(k), k, np.full_like(k, L), k * L], -1))
-        plain = self._plain(np.array([1.0, L]))
-        out = np.where(n == 0, plain, spec)
-        return float(out) if out.ndim == 0 else out
+        return self.speed * np.where(k == 1, self._plain.at(1.0, L), spec)
 
     def draft(self, levels: int, catchup: int) -> float:
         """Seconds of a draft of `levels` levels after `catchup` tokens the head has not seen (0 levels: none)."""
-        if levels <= 0:
-            return 0.0
-        return float(self._draft(np.array([1.0, levels - 1, max(catchup - 1, 0)])))
+        return self.speed * self._draft.at(1.0, levels - 1, max(catchup - 1, 0)) if levels > 0 else 0.0
 
     def cycle(self, nodes: int, levels: int, catchup: int, context: int) -> float:
         return self.draft(levels, catchup) + self.verify(nodes, context)
 
     # ---- learning -----------------------------------------------------------------------------
-    def observe(self, nodes: int, levels: int, catchup: int, context: int, draft_s: float, rest_s: float) -> None:
-        """One cycle's measured seconds: its draft (levels > 0) and the rest of it."""
+    def observe(self, nodes: int, levels: int, catchup: int, context: int, draft_s: float, rest_s: float) -> float:
+        """One cycle's measured seconds: its draft (levels > 0) and the rest of it. Returns the measured cycle's
+        cost over the predicted one, minus 1 (before learning from it)."""
+        predicted = self.cycle(nodes, levels, catchup, context)
         if not self.learn:
-            return
+            return (draft_s + rest_s) / max(predicted, 1e-12) - 1.0
         L = context * PER_TOKEN
         if levels > 0:
-            self._draft.observe([1.0, levels - 1, max(catchup - 1, 0)], draft_s)
+            self._learn(self._draft, [1.0, levels - 1, max(catchup - 1, 0)], draft_s)
         if nodes == 0:
             if levels == 0:  # a draft that verified nothing still did a drafted cycle's bookkeeping: not plain
-                self._plain.observe([1.0, L], rest_s)
+                self._learn(self._plain, [1.0, L], rest_s, pace=True)
         else:
             k = nodes + 1
-            self._verify.observe([1.0, k, L, k * L], rest_s)
+            self._learn(self._verify, [1.0, k, L, k * L], rest_s)
+        return (draft_s + rest_s) / max(predicted, 1e-12) - 1.0
+
+    def _learn(self, fit: LinearFit, x: list[float], seconds: float, pace: bool = False) -> None:
+        shape = fit.at(*x)
+        if pace and shape > 0:  # the pace first (one stall moves it at most 2 ** speed_rate), then the shape
+            ratio = min(max(seconds / shape, self.speed / 2), self.speed * 2)
+            self.speed *= (ratio / self.speed) ** self.speed_rate
+        fit.observe(x, seconds / self.speed)
 
     def describe(self) -> dict[str, float]:
         """The starting point and the current fits, for reports."""
-        p, v, d = self._plain.theta, self._verify.theta, self._draft.theta
-        return {**self.start, "plain_s_now": p[0], "plain_s_per_1k_context": p[1], "verify_s_now": v[0],
-                "verify_s_per_token_now": v[1], "verify_s_per_1k_context": v[2], "verify_s_per_token_1k_context": v[3],
-                "draft_step_s_now": d[0], "draft_level_s_now": d[1], "draft_catchup_s_per_token_now": d[2]}
+        p, v, d = ([self.speed * t for t in f.theta] for f in (self._plain, self._verify, self._draft))
+        return {**self.start, "speed": self.speed, "plain_s_now": p[0], "plain_s_per_1k_context": p[1],
+                "verify_s_now": v[0], "verify_s_per_token_now": v[1], "verify_s_per_1k_context": v[2],
+                "verify_s_per_token_1k_context": v[3], "draft_step_s_now": d[0], "draft_level_s_now": d[1],
+                "draft_catchup_s_per_token_now": d[2]}
 
 
 def fit_cost(costs: dict[int, float]) -> tuple[float, float]:

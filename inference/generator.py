@@ -215,7 +215,6 @@ class SpeculativeGenerator:
             if self.planner is None:
                 self.calibrate(prompts[0])
             planner = self.planner
-            planner.begin()
         capacity = longest + self.options.max_nodes() + 2
         cache = target.new_cache(len(prompts), capacity)
         drafter.reset(len(prompts), capacity)
@@ -224,6 +223,8 @@ class SpeculativeGenerator:
         ctx, prefill_s = self._prefill(prompts, cache, watch)
         for st in stats:
             st.prefill_time_s = st.target_time_s = prefill_s
+        if planner is not None:
+            planner.begin(prefill_s)
         unseen = [ctx]  # what the head has not seen yet, oldest first: it catches up on all of it when it drafts
         root = torch.tensor([p[-1] for p in prompts], device=dev)
         seen = None

@@ -22,9 +22,9 @@ notice when that changes.
 The guarantee (the guard). Per generation the planner keeps an account in modelled seconds: `excess`,
 what the speculative cycles cost beyond what plain decoding would have spent on the tokens they gained
 (negative while speculation wins), against an allowance of `margin` times the plain-decoding time of
-every token so far plus `slack` plain cycles. A cycle may draft, and may verify nodes or a lookup branch,
+the prompt and every token so far plus `slack` plain cycles. A cycle may draft, and may verify nodes or a lookup branch,
 only if its worst case (nothing accepted: all its extra seconds lost) still fits in the allowance. So
-whatever the head, the text or a wrong estimate, a generation spends at most margin + slack / tokens
+whatever the head or the text, a generation spends at most a share `margin` (plus `slack` plain cycles)
 beyond plain decoding, and a head that wins is never held back. The costs are the machine's own, refit
 as it runs, so the account follows what the machine actually does.
 
@@ -84,6 +84,7 @@ class Planner:
         # mass; their ratio starts at 1, the bound (children's acceptance sums to at most their parent's)
         self.level_earned, self.level_mass = 1.0, 1.0
         self.probe, self.since_probe = 2, 0
+        self.plain_every, self.since_plain = 16, 0  # a plain cycle at least this often: the guard's yardstick
         # what a drafting cycle typically drafts and verifies (decayed means): its worst case for the guard
         self.typical_levels, self.typical_nodes = 2.0, float(top_k)
         self.lookup_prior = lookup_prior
@@ -92,10 +93,11 @@ class Planner:
         self.begin()
 
     # ---- the guard ----------------------------------------------------------------------------
-    def begin(self) -> None:
-        """A new generation: its own account (what was learned about the head and the machine stays)."""
-        self.excess = 0.0  # modelled seconds speculative cycles spent beyond plain decoding of their tokens
-        self.plain_equivalent = 0.0  # modelled seconds plain decoding would have spent on every token so far
+    def begin(self, prefill_s: float = 0.0) -> None:
+        """A new generation, its prompt prefilled in `prefill_s` seconds: its own account (what was learned about
+        the head and the machine stays). The prefill is part of what plain decoding would spend as well."""
+        self.excess = 0.0  # seconds speculative cycles spent beyond plain decoding of their tokens
+        self.plain_equivalent = prefill_s  # seconds plain decoding would have spent on the prompt and every token
         self.context, self.catchup, self.left = 0, 1, 0.0
 
     def allowance(self) -> float:
@@ -121,8 +123,14 @@ class Planner:
     def should_draft(self, context: int, catchup: int) -> bool:
         """Run the head this cycle, `context` tokens in the cache and `catchup` of them not yet seen by the head?
         Yes while its trees beat plain decoding by more than the draft costs; otherwise only as a probe, at
-        intervals that double while drafting keeps not paying; never beyond the guard's allowance."""
+        intervals that double while drafting keeps not paying; never beyond the guard's allowance; and never
+        for long without a plain cycle (`plain_every`, doubling while the cost model predicts them right),
+        what the guard measures speculation against."""
         self.context, self.catchup = context, catchup
+        self.since_plain += 1
+        if self.since_plain > self.plain_every:  # measure plain decoding again: it is what the guard measures against
+            self.left = -1.0
+            return False
         self.left = self.allowance()
         c = self.costs
         draft = c.draft(round(self.typical_levels), catchup)
@@ -165,17 +173,23 @@ class Planner:
     def lookup_sizes(self, head_nodes: int) -> list[int]:
         """How many tokens of a lookup branch to graft onto a tree of `head_nodes` draft nodes, per match length
         n = 1..max_ngram: the most expected tokens net of their verify cost (0: the branch does not pay),
-        within what is left of the guard's allowance."""
-        length = self.lookup_reached.shape[1]
-        if length == 0:
-            return [0] * len(self.lookup_reached)
-        w = self.weight
-        rate = (self.lookup_passed + w * self.lookup_prior) / (self.lookup_reached + w)  # [n, L] P(j+1 | j)
-        gain = np.concatenate([np.zeros((len(rate), 1)), np.cumsum(np.cumprod(rate, 1), 1)], 1)  # [n, L+1]
-        cost = self.costs.verify(head_nodes + np.arange(length + 1), self.context)
-        extra = cost - cost[0]
-        value = np.where(extra <= max(self.left, 0.0), gain - self.rate * extra, -np.inf)
-        return [int(i) for i in np.argmax(value, 1)]
+        within what is left of the guard's allowance. (Plain Python: it runs every cycle, plain ones too.)"""
+        length, w, rate = self.lookup_reached.shape[1], self.weight, self.rate
+        base = self.costs.verify(head_nodes, self.context)
+        extra = [self.costs.verify(head_nodes + m, self.context) - base for m in range(length + 1)]
+        left = max(self.left, 0.0)
+        sizes = []
+        for reached, passed in zip(self.lookup_reached.tolist(), self.lookup_passed.tolist()):
+            reach, gain, best, best_value = 1.0, 0.0, 0, 0.0
+            for m in range(1, length + 1):
+                if extra[m] > left:
+                    break
+                reach *= (passed[m - 1] + w * self.lookup_prior) / (reached[m - 1] + w)  # P(the first m accepted)
+                gain += reach
+                if gain - rate * extra[m] > best_value:
+                    best, best_value = m, gain - rate * extra[m]
+            sizes.append(best)
+        return sizes
 
     # ---- learning -----------------------------------------------------------------------------
     def observe_levels(self, levels: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
@@ -201,7 +215,12 @@ class Planner:
         """One cycle: the draft nodes it verified (head and lookup), the levels the head drafted (0: none),
         tokens gained (mean per row), and its measured seconds: the draft, and the rest of the cycle."""
         c = self.costs
-        c.observe(nodes, levels, self.catchup, self.context, draft_s, rest_s)
+        surprise = abs(c.observe(nodes, levels, self.catchup, self.context, draft_s, rest_s))
+        if not nodes and not levels:  # a plain cycle: re-measured less often while the model keeps agreeing
+            self.plain_every = min(2 * self.plain_every, 256) if surprise < 0.1 else 16
+            self.since_plain = 0
+        elif surprise > 0.25:  # the machine may have changed pace: measure plain decoding again soon
+            self.plain_every = min(self.plain_every, 16)
         seconds = c.cycle(nodes, levels, self.catchup, self.context)
         plain = c.verify(0, self.context)
         self.tokens = self.rate_decay * self.tokens + tokens

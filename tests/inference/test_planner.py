@@ -93,6 +93,7 @@ def test_planner_drafts_while_it_pays_and_probes_while_it_does_not():
     assert planner.should_draft(200, 1)  # optimistic start
     for _ in range(40):  # the head is hopeless: every cycle's best choice is plain decoding
         planner.choose(log(np.full((1, 8), 1e-3)), 1)
+    planner.observe_cycle(0, 1, 1.0, 0.05, 1.0)
     gaps, since = [], 0
     for _ in range(60):  # drafting only as a probe, ever further apart
         since += 1
@@ -100,6 +101,9 @@ def test_planner_drafts_while_it_pays_and_probes_while_it_does_not():
             gaps.append(since)
             since = 0
             planner.choose(log(np.full((1, 8), 1e-3)), 1)
+            planner.observe_cycle(0, 1, 1.0, 0.05, 1.0)
+        else:
+            planner.observe_cycle(0, 0, 1.0, 0.0, 1.0)
     assert len(gaps) >= 3 and gaps == sorted(gaps) and gaps[-1] > gaps[0]
     for _ in range(5):  # a probe finds a confident head: drafting every cycle again
         planner.choose(log(np.full((1, 8), 0.999)), 1)
@@ -189,7 +193,8 @@ def test_a_good_head_is_never_held_back():
     machine = Machine(plain=1.0, verify=(1.0, 0.05), step=0.05, accept=0.8, conf=0.8)
     planner = _planner(CostModel(1.0, 0.05, 1.0, 0.05))
     seconds, cycles = machine.run(planner, 256)
-    assert all(nodes > 0 for _, nodes in cycles)  # every cycle drafts, from the first
+    plain = [i for i, (_, nodes) in enumerate(cycles) if nodes == 0]
+    assert plain and plain[0] > 0 and len(plain) <= 0.05 * len(cycles)  # all draft but a plain one now and then
     assert seconds < 0.6 * 256 * machine.plain and planner.excess < 0
 
 
