@@ -291,11 +291,11 @@ class HeadDrafter:
         depth = min(depth or exp.depth, exp.depth)
         # Catch-up: the new accepted tokens see the committed cache and each other causally.
         allowed = after_history(cache.lengths, causal(a, dev).expand(b, a, a), cache.width + a)
-        with cpu_linears(self._linears, b * a):
-            out = head(ctx.tokens, head.fuse(ctx.features), ctx.positions, allowed, cache)
-        cache.commit(ctx.counts)
         last = torch.tensor([max(c - 1, 0) for c in ctx.counts], device=dev)[:, None]  # each row's root
-        logits = out.logits.gather(1, last[..., None].expand(-1, -1, out.logits.shape[-1]))  # the frontier: the root
+        with cpu_linears(self._linears, b * a):  # the frontier is the root: only its logits are needed
+            out = head(ctx.tokens, head.fuse(ctx.features), ctx.positions, allowed, cache, logits=last)
+        cache.commit(ctx.counts)
+        logits = out.logits  # [B, 1, Vd]
         hidden = out.hidden.gather(1, last[..., None].expand(-1, -1, out.hidden.shape[-1]))
         root_pos = ctx.positions.gather(1, last)
         frontier_scores = torch.zeros(b, 1, device=dev)

@@ -120,7 +120,7 @@ class DraftHead(nn.Module):
         position_ids: torch.Tensor,
         allowed: torch.Tensor | None = None,
         cache: KVCache | TTTAttention | None = None,
-        logits: bool = True,
+        logits: bool | torch.Tensor = True,
     ) -> HeadOutput:
         """One draft step.
 
@@ -129,7 +129,8 @@ class DraftHead(nn.Module):
         allowed [B, T, cache.width + T] bool: which cache columns each token may see (masks.after_history),
         or None for causal attention within this block (an empty cache, or training's TTTAttention).
         A KVCache gets this block's keys/values as pending entries (the caller commits or rolls back).
-        logits=False skips the vocabulary projection (training projects only the rows that carry loss).
+        logits=False skips the vocabulary projection (training projects only the rows that carry loss); positions
+        [B, K] project only those of each row (a drafter's catch-up needs the logits at each row's root alone).
         """
         if self.shared["embed_tokens"] is None:
             raise RuntimeError("the head is not bound to a target: call head.bind(target) first")
@@ -149,6 +150,8 @@ class DraftHead(nn.Module):
             mask = None if allowed is None else additive(allowed, dtype)
             for i, layer in enumerate(self.layers):
                 x = layer(x, rope, mask, cache, i, emb=emb if i == 0 else None)
+        if isinstance(logits, torch.Tensor):
+            return HeadOutput(logits=self.project(x.gather(1, logits[..., None].expand(-1, -1, x.shape[-1]))), hidden=x)
         return HeadOutput(logits=self.project(x) if logits else None, hidden=x)
 
     def _mask(self, allowed: torch.Tensor, position_ids: torch.Tensor, cache: KVCache) -> torch.Tensor:

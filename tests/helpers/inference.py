@@ -123,9 +123,12 @@ class OracleHead(DraftHead):
             return out
         bonus = torch.zeros_like(out.logits)
         positions = position_ids.expand(input_ids.shape).tolist()
+        every = [range(input_ids.shape[1])] * len(positions)
+        projected = logits.tolist() if isinstance(logits, torch.Tensor) else every
         for b, (ids, pos) in enumerate(zip(input_ids.tolist(), positions)):
             ref = self.rows[b]
-            for t, (x, q) in enumerate(zip(ids, pos)):  # x is the token at index q + 1; the output predicts q + 2
+            for t, i in enumerate(projected[b]):  # x is the token at index q + 1; the output predicts q + 2
+                x, q = ids[i], pos[i]
                 if q + 2 < len(ref) and ref[q + 1] == x:
                     right = ref[q + 2]
                     if random.Random(hash((self.seed, q, right))).random() < self.miss:
