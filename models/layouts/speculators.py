@@ -3,7 +3,9 @@ verifier, `transformer_layer_config` (Llama), aux layer ids as HF hidden_states 
 
 Checked against speculators 0.9.0 (`Eagle3SpeculatorConfig`, `Eagle3DraftModel`) and vLLM 0.32
 (`Eagle3LlamaForCausalLM`): vLLM builds the fc for three aux layers, has no d2t parameter when the draft
-vocab is the full vocab, honours `norm_before_residual` and per-layer `layer_types` windows."""
+vocab is the full vocab, honours `norm_before_residual` and per-layer `layer_types` windows. The file holds
+the target's token embedding when the export has the target, as speculators saves its heads: its
+`Eagle3DraftModel.from_pretrained` otherwise initialises one (vLLM would share the target's either way)."""
 
 from __future__ import annotations
 
@@ -100,6 +102,12 @@ class SpeculatorsLayout:
         if c.head_type != "eagle3":
             raise InputError(f"the speculators layout holds eagle3 heads only; this head is {c.head_type}")
         ids, state = runtime_state(head, target, self.name, LAYER_ID_OFFSET, FIRST_CAPTURABLE, [])
+        if target is not None:  # as speculators saves heads: its Eagle3DraftModel loads the embedding from the file
+            embedding = target.embed_tokens.weight.detach()
+            state["embed_tokens.weight"] = embedding.to("cpu", head.fc.weight.dtype).contiguous()
+        else:
+            log.warning("the speculators export has no token embedding: vLLM shares the target's, but the "
+                        "speculators library would initialise one of its own; pass --target to include it")
         llama = {**llama_fields(c, head.fc.weight.dtype), **window_fields(c)}
         config = {
             "speculators_model_type": "eagle3",

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
+import subprocess
 
 import pytest
 import torch
@@ -46,7 +48,8 @@ HEADS = {"reduced": (dict(fused_layer_ids=(6, 2), norm_before_residual=True), 10
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
+def exported(tmp_path_factory):
+    """A tiny Llama target folder and the HEADS, saved by eyas and exported for vLLM: (folder, target, heads)."""
     tmp = tmp_path_factory.mktemp("vllm")
     config = LlamaConfig(vocab_size=320, hidden_size=128, intermediate_size=256, num_hidden_layers=8,
                          num_attention_heads=4, num_key_value_heads=2, head_dim=32,  # vLLM's CPU attention: >= 32
@@ -56,7 +59,7 @@ def runs(tmp_path_factory):
     model.save_pretrained(tmp / "target")
     tiny_tokenizer().save_pretrained(tmp / "target")
     target = Target(model, tiny_tokenizer(), str(tmp / "target"))
-    heads, results = {}, {"plain": run_vllm(PYTHON, str(tmp / "target"), PROMPTS, SETTINGS)}
+    heads = {}
     for name, (fields, vocab) in HEADS.items():
         fields = dict(fields)
         torch.manual_seed(1)
@@ -64,12 +67,21 @@ def runs(tmp_path_factory):
                                fields.pop("num_layers", 1))
         head = DraftHead(dataclasses.replace(base, **fields), target)
         with torch.no_grad():
-            for p in head.parameters():
-                p.add_(torch.randn_like(p) * 0.05)
+            for p in head.parameters():  # varied drafts, not one token everywhere
+                p.add_(torch.randn_like(p) * 0.3)
+            head.fc.weight.mul_(30)  # a fused state far from unit RMS: norm_before_residual changes the drafts
         head.set_vocab_map(torch.randperm(320)[:vocab])
         save_head(head, tmp / f"{name}-eyas")
         export_for_vllm(tmp / f"{name}-eyas", tmp / f"{name}-vllm", target)
         heads[name] = head
+    return tmp, target, heads
+
+
+@pytest.fixture(scope="module")
+def runs(exported):
+    tmp, target, heads = exported
+    results = {"plain": run_vllm(PYTHON, str(tmp / "target"), PROMPTS, SETTINGS)}
+    for name in HEADS:
         results[name] = run_vllm(PYTHON, str(tmp / "target"), PROMPTS, SETTINGS, tmp / f"{name}-vllm")
     return target, heads, results
 
@@ -99,6 +111,44 @@ def test_exported_head_is_lossless_in_vllm(runs, name):
         assert plain.tokens == reference  # vLLM's plain greedy is transformers' greedy on this target
         assert spec.tokens == plain.tokens  # and speculation through the exported head keeps it
         assert spec.drafts > 0 and spec.draft_tokens == K * spec.drafts
+
+
+def speculators_python() -> str | None:
+    """vLLM's interpreter when the speculators library imports there too."""
+    if PYTHON is None or subprocess.run([PYTHON, "-c", "import speculators"], capture_output=True).returncode:
+        return None
+    return PYTHON
+
+
+SPECULATORS_DRAFTS = """
+import sys, torch
+from speculators.models.eagle3 import Eagle3DraftModel
+model = Eagle3DraftModel.from_pretrained(sys.argv[1]).eval()
+io = torch.load(sys.argv[2])
+with torch.no_grad():  # one TTT step: the draft at every position, token t+1 paired with the state at t
+    drafts = model(io["aux"], io["ids"], document_ids=torch.zeros_like(io["ids"]), ttt_steps=1)[0]
+torch.save(drafts, sys.argv[3])
+"""
+
+
+@pytest.mark.skipif(speculators_python() is None, reason="the speculators library is not installed beside vLLM")
+@pytest.mark.parametrize("name", list(HEADS))
+def test_speculators_library_drafts_as_eyas(exported, tmp_path, name):
+    """speculators 0.9.0's own Eagle3DraftModel loads the export (embedding included) and drafts what eyas does."""
+    folder, target, heads = exported
+    head, ids = heads[name], torch.tensor([PROMPTS[1]])
+    config = json.loads((folder / f"{name}-vllm" / "config.json").read_text())
+    states = target.model(ids, output_hidden_states=True).hidden_states
+    aux = torch.cat([states[i] for i in config["eagle_aux_hidden_state_layer_ids"]], dim=-1)
+    torch.save({"aux": aux[:, :-1], "ids": ids[:, 1:]}, tmp_path / "io.pt")
+    subprocess.run([PYTHON, "-c", SPECULATORS_DRAFTS, str(folder / f"{name}-vllm"), str(tmp_path / "io.pt"),
+                    str(tmp_path / "drafts.pt")], check=True, env={**os.environ, "HF_HUB_OFFLINE": "1"},
+                   capture_output=True)
+    feats = target(ids, layer_ids=head.config.fused_layer_ids).features
+    ours = head(ids[:, 1:], head.fuse(feats[:, :-1]), torch.arange(ids.shape[1] - 1)[None]).logits.argmax(-1)
+    theirs = torch.load(tmp_path / "drafts.pt")
+    full = head.config.draft_vocab_size == head.config.vocab_size  # exported rows in target order: ids are target ids
+    assert torch.equal(theirs, head.to_target_ids(ours) if full else ours)
 
 
 @needs_vllm

@@ -174,10 +174,11 @@ def test_speculators_layout_fields_and_keys(tmp_path):
     layer = config["transformer_layer_config"]
     assert (layer["num_hidden_layers"], layer["vocab_size"], layer["hidden_size"]) == (2, 320, 64)
     assert "layer_types" not in layer  # no window: full attention
-    keys = set(load_file(str(folder / "model.safetensors")))
-    assert keys == {"fc.weight", "norm.weight", "lm_head.weight", "d2t", "t2d", "layers.0.input_layernorm.weight",
-                    "layers.0.hidden_norm.weight", "layers.1.input_layernorm.weight",
-                    *[f"layers.{i}.{k}" for i in (0, 1) for k in LAYER0]}
+    weights = load_file(str(folder / "model.safetensors"))
+    assert set(weights) == {"fc.weight", "norm.weight", "lm_head.weight", "d2t", "t2d", "embed_tokens.weight",
+                            "layers.0.input_layernorm.weight", "layers.0.hidden_norm.weight",
+                            "layers.1.input_layernorm.weight", *[f"layers.{i}.{k}" for i in (0, 1) for k in LAYER0]}
+    assert torch.equal(weights["embed_tokens.weight"], target.embed_tokens.weight)  # speculators loads it from here
     again = load_head(folder, target)
     assert again.config.norm_before_residual
     torch.testing.assert_close(_logits(again, target), _logits(head, target), rtol=0, atol=0)
