@@ -1,7 +1,7 @@
 """The target's next-token distribution and its choice: one sampler for generation, verification and regeneration.
 
-`Sampling` holds what shapes the distribution: temperature, top-k, top-p (nucleus), min-p and the
-repetition penalty, applied in that order as transformers' `generate` does. Unset fields follow the
+`Sampling` holds what shapes the distribution: the repetition penalty, then temperature, top-k, top-p
+(nucleus) and min-p, applied in that order as transformers' `generate` does. Unset fields follow the
 target's own `generation_config` (`Sampling.for_target`), as `model.generate` does when called without
 arguments: a model that ships with do_sample=False decodes greedily, one that ships temperature 0.6 /
 top-p 0.95 samples with those.
@@ -19,6 +19,19 @@ from eyas.models.errors import InputError
 
 logger = logging.getLogger(__name__)
 
+# generation_config fields that change what `generate` samples and that eyas does not apply (it warns instead)
+_NOT_APPLIED = ("no_repeat_ngram_size", "typical_p", "epsilon_cutoff", "eta_cutoff", "top_h",
+                "encoder_repetition_penalty", "bad_words_ids", "sequence_bias", "suppress_tokens",
+                "begin_suppress_tokens", "forced_bos_token_id", "forced_eos_token_id",
+                "exponential_decay_length_penalty", "min_new_tokens", "min_length", "guidance_scale")
+
+
+def _generate_defaults() -> dict:
+    """What `generate` uses for settings neither the call nor the model's generation_config sets (top_k 50, ...)."""
+    from transformers import GenerationConfig
+
+    return GenerationConfig._get_default_generation_params()
+
 
 @dataclass(frozen=True)
 class Sampling:
@@ -26,7 +39,8 @@ class Sampling:
     top_p: float = 1.0
     top_k: int = 0  # 0 = off
     min_p: float = 0.0  # 0 = off: drop tokens below min_p x the top token's probability
-    repetition_penalty: float = 1.0  # 1 = off: logits of tokens already in the sequence are divided (or, < 0, multiplied)
+    # 1 = off: logits of tokens already in the sequence are divided by it (negative logits multiplied)
+    repetition_penalty: float = 1.0
 
     def __post_init__(self) -> None:
         if self.temperature < 0:
@@ -49,29 +63,34 @@ class Sampling:
                    top_k: int | None = None, min_p: float | None = None,
                    repetition_penalty: float | None = None) -> "Sampling":
         """The settings `model.generate` would use: each argument given wins, the rest come from the model's
-        generation_config (do_sample False, or no config, means greedy)."""
+        generation_config, and what that leaves unset from transformers' own defaults (top_k 50 when sampling).
+        A temperature > 0 samples, 0 decodes greedily; without one the config's do_sample decides (no config:
+        greedy), so a model that ships do_sample=True, temperature 0.6 samples with those, as `generate()` does."""
         gc = generation_config
-        sample = bool(getattr(gc, "do_sample", False))
-        default = cls()
+        defaults = _generate_defaults()
 
-        def pick(value, name, fallback):
-            if value is not None:
-                return value
-            found = getattr(gc, name, None) if gc is not None else None
-            return fallback if found is None else found
+        def pick(value, name):
+            for found in (value, getattr(gc, name, None) if gc is not None else None, defaults.get(name)):
+                if found is not None:
+                    return found
+            return getattr(cls, name, None)  # the dataclass default
 
         if temperature is None:
-            temperature = pick(None, "temperature", 1.0) if sample else 0.0
+            temperature = pick(None, "temperature") if pick(None, "do_sample") else 0.0
+            given = {k: v for k, v in (("top_p", top_p), ("top_k", top_k), ("min_p", min_p)) if v is not None}
+            if not temperature and given:
+                logger.warning("decoding greedily (the target's generation_config has do_sample off): %s apply only "
+                               "when sampling; give a temperature > 0 to sample", ", ".join(given))
+        sampling = float(temperature) > 0
         s = cls(temperature=float(temperature),
-                top_p=float(pick(top_p, "top_p", default.top_p)) if temperature else default.top_p,
-                top_k=int(pick(top_k, "top_k", default.top_k)) if temperature else default.top_k,
-                min_p=float(pick(min_p, "min_p", default.min_p)) if temperature else default.min_p,
-                repetition_penalty=float(pick(repetition_penalty, "repetition_penalty", 1.0)))
-        ignored = [k for k in ("no_repeat_ngram_size", "typical_p", "epsilon_cutoff", "eta_cutoff",
-                               "encoder_repetition_penalty", "bad_words_ids", "sequence_bias")
-                   if gc is not None and getattr(gc, k, None) not in (None, 0, 1.0, [])]
+                top_p=float(pick(top_p, "top_p")) if sampling else cls.top_p,
+                top_k=int(pick(top_k, "top_k")) if sampling else cls.top_k,
+                min_p=float(pick(min_p, "min_p")) if sampling else cls.min_p,
+                repetition_penalty=float(pick(repetition_penalty, "repetition_penalty")))
+        ignored = [k for k in _NOT_APPLIED if gc is not None and getattr(gc, k, None) not in (None, 0, 0.0, 1.0, [])]
         if ignored:
-            logger.warning("the target's generation_config sets %s, which eyas does not apply", ", ".join(ignored))
+            logger.warning("the target's generation_config sets %s, which `generate` applies and eyas does not",
+                           ", ".join(ignored))
         return s
 
     def replace(self, **changes) -> "Sampling":

@@ -10,7 +10,6 @@ no files: tokenizers come from tests/helpers/tiny.py.
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass, field
 
 import torch
@@ -88,20 +87,20 @@ FAMILIES: dict[str, Family] = {
     "smollm3": Family("SmolLM3Config", "SmolLM3ForCausalLM", dict(num_hidden_layers=4, no_rope_layer_interval=2)),
     "gemma": Family("GemmaConfig", "GemmaForCausalLM"),
     "gemma2": Family("Gemma2Config", "Gemma2ForCausalLM", dict(
-        sliding_window=WINDOW, layer_types=ALTERNATING[:2], final_logit_softcapping=2.0, attn_logit_softcapping=5.0,
+        sliding_window=WINDOW, layer_types=ALTERNATING[:2], final_logit_softcapping=1.0, attn_logit_softcapping=5.0,
         query_pre_attn_scalar=8), post_processing="final_logit_softcapping"),
     "gemma3": Family("Gemma3TextConfig", "Gemma3ForCausalLM", dict(
-        sliding_window=WINDOW, layer_types=ALTERNATING[:2], final_logit_softcapping=2.0, query_pre_attn_scalar=8),
+        sliding_window=WINDOW, layer_types=ALTERNATING[:2], final_logit_softcapping=1.0, query_pre_attn_scalar=8),
         post_processing="final_logit_softcapping"),
     "gemma3n": Family("Gemma3nTextConfig", "Gemma3nForCausalLM", dict(  # KV shared across layers, AltUp, LAuReL
         num_hidden_layers=4, layer_types=ALTERNATING, sliding_window=WINDOW, num_kv_shared_layers=2,
         vocab_size_per_layer_input=VOCAB, hidden_size_per_layer_input=8, laurel_rank=4, altup_num_inputs=2,
-        activation_sparsity_pattern=[0.0] * 4, final_logit_softcapping=2.0), post_processing="final_logit_softcapping",
+        activation_sparsity_pattern=[0.0] * 4, final_logit_softcapping=1.0), post_processing="final_logit_softcapping",
         head="eagle1"),
-    "nanochat": Family("NanoChatConfig", "NanoChatForCausalLM", dict(final_logit_softcapping=2.0),
+    "nanochat": Family("NanoChatConfig", "NanoChatForCausalLM", dict(final_logit_softcapping=1.0),
                        post_processing="final_logit_softcapping"),
     "vaultgemma": Family("VaultGemmaConfig", "VaultGemmaForCausalLM", dict(
-        sliding_window=WINDOW, layer_types=ALTERNATING[:2], final_logit_softcapping=2.0, query_pre_attn_scalar=8),
+        sliding_window=WINDOW, layer_types=ALTERNATING[:2], final_logit_softcapping=1.0, query_pre_attn_scalar=8),
         post_processing="final_logit_softcapping"),
     "granite": Family("GraniteConfig", "GraniteForCausalLM", dict(
         logits_scaling=0.25, embedding_multiplier=2.0, residual_multiplier=0.5, attention_multiplier=0.2),
@@ -161,22 +160,23 @@ FAMILIES: dict[str, Family] = {
 POST_PROCESSING = [name for name, f in FAMILIES.items() if f.post_processing]
 
 
-@functools.lru_cache(maxsize=None)
-def family_config(name: str) -> transformers.PretrainedConfig:
+def family_config(name: str, **overrides) -> transformers.PretrainedConfig:
     f = FAMILIES[name]
     config_cls = getattr(transformers, f.config)
     init = "init_std" if hasattr(config_cls, "init_std") else "initializer_range"
-    return config_cls(**{**(LLAMA_LIKE if f.llama_like else {}), **TOKENS, init: f.init, **f.settings})
+    return config_cls(**{**(LLAMA_LIKE if f.llama_like else {}), **TOKENS, init: f.init, **f.settings, **overrides})
 
 
-def family_model(name: str, seed: int = 0) -> transformers.PreTrainedModel:
-    """A freshly initialised fp32 model of family `name` (eos disabled in its generation config, so that
-    `generate` runs to max_new_tokens)."""
+def family_model(name: str, seed: int = 0, **overrides) -> transformers.PreTrainedModel:
+    """A freshly initialised fp32 model of family `name` (config `overrides` on top; eos disabled in its generation
+    config, so that `generate` runs to max_new_tokens)."""
+    config = family_config(name, **overrides)
     torch.manual_seed(seed)
-    model = getattr(transformers, FAMILIES[name].model)(family_config(name)).float().eval()
+    model = getattr(transformers, FAMILIES[name].model)(config).float().eval()
     model.generation_config.eos_token_id = None
     return model
 
 
-def family_target(name: str, seed: int = 0) -> Target:
-    return Target(family_model(name, seed), tiny_tokenizer(VOCAB), f"tiny-{name}")
+def family_target(name: str, seed: int = 0, **overrides) -> Target:
+    vocab = overrides.get("vocab_size", VOCAB)
+    return Target(family_model(name, seed, **overrides), tiny_tokenizer(vocab), f"tiny-{name}")
