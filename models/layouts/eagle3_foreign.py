@@ -31,6 +31,7 @@ import torch
 
 from ..config import HeadConfig, TargetIdentity, default_fused_layer_ids
 from ..errors import InputError
+from .common import rename
 
 log = logging.getLogger(__name__)
 
@@ -96,8 +97,6 @@ def runtime_state(head, target, layout: str, offset: int, first_capturable: int,
                   renames: list[tuple[str, str]]) -> tuple[list[int], dict[str, torch.Tensor]]:
     """(foreign aux ids, state dict as the runtime names it): fusion converted (`runtime_fusion`), vocab maps
     dropped for a full draft vocab (`full_vocab`), keys renamed by `renames` (eyas -> stored prefixes)."""
-    from .common import rename
-
     ids, fc = runtime_fusion(head, target, layout, offset, first_capturable)
     state = {k: v.detach() for k, v in head.state_dict().items()}
     state["fc.weight"] = fc
