@@ -87,6 +87,9 @@ def register(sub: argparse._SubParsersAction) -> None:
 def _add_generation_options(p: argparse.ArgumentParser) -> None:
     _add_model_options(p)
     _add_sampling_options(p)
+    p.add_argument("--min-p", type=float, default=None, help="sampling min-p, 0 = off (default: generation_config)")
+    p.add_argument("--repetition-penalty", type=float, default=None,
+                   help="1 = off, > 1 discourages repeats (default: generation_config, which some models set)")
     p.add_argument("--seed", type=int, default=None, help="sampling seed (default: not seeded)")
     p.add_argument("--stop", action="append", default=None, metavar="TEXT", help="stop string (repeatable)")
 
@@ -127,7 +130,8 @@ def _load_generator(args: argparse.Namespace):
 
 def _sampling_kwargs(args: argparse.Namespace) -> dict:
     return dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
-                top_k=args.top_k, seed=args.seed, stop=args.stop)
+                top_k=args.top_k, min_p=args.min_p, repetition_penalty=args.repetition_penalty, seed=args.seed,
+                stop=args.stop)
 
 
 def format_stats(stats) -> str:
