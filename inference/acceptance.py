@@ -67,6 +67,9 @@ def accept(tree: DraftTree, y: torch.Tensor, ancestors: torch.Tensor) -> Accepte
     y [B, N]; ancestors [B, N, N] from tree.ancestors(). Siblings carry distinct tokens, so at most one
     node per depth is accepted and the accepted nodes form one path.
     """
+    if tree.size == 1:  # the root alone (plain decoding): the target's choice there is the next token
+        zero = torch.zeros_like(tree.parents)
+        return Accepted(path=zero, length=zero[:, 0] + 1, bonus=y[:, 0])
     parent = tree.parents.clamp(min=0)
     match = tree.tokens == y.gather(1, parent)  # [B, N]: node i is the target's choice after its parent
     match[:, 0] = True

@@ -226,6 +226,7 @@ class SpeculativeGenerator:
         if planner is not None:
             planner.begin(prefill_s)
         unseen = [ctx]  # what the head has not seen yet, oldest first: it catches up on all of it when it drafts
+        behind = list(ctx.counts)  # per row: how many tokens that is
         root = torch.tensor([p[-1] for p in prompts], device=dev)
         seen = None
         if s.repetition_penalty != 1.0:
@@ -241,17 +242,18 @@ class SpeculativeGenerator:
                 drafter.keep_rows(order)
                 idx = torch.tensor(order, device=dev)
                 unseen, root, live = [c.rows(order) for c in unseen], root[idx], [live[i] for i in order]
+                behind = [behind[i] for i in order]
                 index = [index[i] for i in order] if index else []
                 seen = seen[idx] if seen is not None else None
             t0 = watch.mark()
             cycle_start = time.perf_counter()
 
             # 1. draft: the head's candidates, the planner's choice of them, and an n-gram branch
-            catchup = max(sum(c) for c in zip(*(u.counts for u in unseen)))
+            catchup = max(behind)
             drafted = catchup > 0 and (planner is None or planner.should_draft(cache.width, catchup))
             candidates, levels = None, 0
             if drafted:
-                ctx, unseen = DraftContext.join(unseen), []
+                ctx, unseen, behind = DraftContext.join(unseen), [], [0] * len(behind)
                 candidates = drafter.draft(ctx, keep_going=planner.keep_drafting if planner is not None else None)
                 t_draft = watch.mark()
                 levels = candidates.height or 0
@@ -290,6 +292,7 @@ class SpeculativeGenerator:
             feats = self._features(out)
             unseen.append(DraftContext(tokens=after, positions=positions.gather(1, path), counts=lengths,
                                        features=feats.gather(1, path[..., None].expand(-1, -1, feats.shape[-1]))))
+            behind = [n + k for n, k in zip(behind, lengths)]
             root = acc.bonus
             if seen is not None:
                 seen.scatter_(1, torch.where(col[None, :width] < acc.length[:, None], after, after[:, :1]), True)
@@ -360,10 +363,10 @@ class SpeculativeGenerator:
         length of the match it came from."""
         if not lookup:
             return [], []
+        found = [ix.continuation(lookup) for ix in index]
+        if not any(n for _, n in found):
+            return [], []
         # branch length per match length n (index n; no match, n = 0, gets none)
         planned = [lookup] * MAX_NGRAM if planner is None else planner.lookup_sizes(head_nodes)
         sizes = [0] + [min(lookup, k) for k in planned]
-        if max(sizes) == 0:  # no branch pays from any match
-            return [], []
-        found = [ix.continuation(max(sizes)) for ix in index]
         return [c[: sizes[n]] for c, n in found], [n for _, n in found]

@@ -54,6 +54,8 @@ class DraftTree:
 def ancestor_mask(parents: torch.Tensor, max_depth: int) -> torch.Tensor:
     """parents [B, N] (-1 = none) -> [B, N, N] bool, self included. Pointer-jumps once per level."""
     b, n = parents.shape
+    if n == 1:  # the root alone: every plain decoding cycle
+        return torch.ones(b, 1, 1, dtype=torch.bool, device=parents.device)
     anc = torch.eye(n, dtype=torch.bool, device=parents.device).expand(b, n, n).clone()
     cur = parents
     for _ in range(max_depth):
