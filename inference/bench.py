@@ -23,7 +23,7 @@ from tqdm.auto import tqdm
 from eyas.data.chat_template import encode_prompt
 from eyas.models import DraftHead, Target
 from eyas.models.atomic import atomic_file
-from eyas.models.errors import MissingInput
+from eyas.models.errors import InputError, MissingInput
 
 from .bench_report import format_table, summarize, write_plot
 from .runtimes_vllm import VllmOptions
@@ -62,7 +62,8 @@ def load_questions(path: str | os.PathLike, limit: int | None = None,
     """
     path = builtin_questions(path) or Path(path)
     if not path.is_file():
-        raise MissingInput(f"questions file {path} does not exist (or use a built-in set: {', '.join(BUILTIN_QUESTIONS)})")
+        raise MissingInput(f"questions file {path} does not exist "
+                           f"(or use a built-in set: {', '.join(BUILTIN_QUESTIONS)})")
     questions: list[Question] = []
     with path.open(encoding="utf-8") as f:
         for lineno, line in enumerate(f, 1):
@@ -129,6 +130,8 @@ def run_bench(
     out: str | os.PathLike | None = None,
     progress: bool = True,
     vllm: VllmOptions | None = None,
+    repeats: int = 1,
+    generate: bool = True,
     **tree_options: Any,
 ) -> dict[str, Any]:
     """Benchmark `head` on `target` over `questions`; returns the report (see bench_report.summarize).
@@ -139,9 +142,16 @@ def run_bench(
     out: if set, write the report there atomically and a PNG beside it.
     vllm: also run the head (exported to the speculators layout) and plain decoding through vLLM
     (runtimes_vllm.py), after eyas's runs, on the same prompts and sampling.
+    repeats: run every question this many times, each runtime once per repeat in alternating order; a row keeps
+    every repeat's time and reports the median. generate=False skips transformers generate (then eyas plain
+    decoding, which needs eyas_plain, is the reference for exactness).
     tree_options go to SpeculativeGenerator.from_pretrained (kind, depth, top_k, total_tokens, paths).
     A Target passed in is used where it is (device) and must already be in `dtype`.
     """
+    if repeats < 1:
+        raise InputError(f"repeats must be >= 1, got {repeats}")
+    if not generate and not eyas_plain:
+        raise InputError("without transformers generate the bench needs a reference: pass eyas_plain (--eyas-plain)")
     if isinstance(questions, (str, os.PathLike)):
         questions = load_questions(questions, limit, per_category)
     elif not (questions := list(questions)[:limit]):
@@ -151,7 +161,7 @@ def run_bench(
         torch.set_num_threads(threads)
     try:
         report = _run(target, head, questions, max_new_tokens, temperature, top_p, top_k, dtype, device,
-                      prompt_lookup, eyas_plain, seed, progress, tree_options, vllm)
+                      prompt_lookup, eyas_plain, seed, progress, tree_options, vllm, repeats, generate)
     finally:
         torch.set_num_threads(threads_before)
     if out is not None:
@@ -161,7 +171,8 @@ def run_bench(
 
 def _run(target, head, questions: list[Question], max_new_tokens: int, temperature: float, top_p: float, top_k: int,
          dtype: str, device: str, prompt_lookup: int | None, eyas_plain: bool, seed: int, progress: bool,
-         tree_options: dict[str, Any], vllm: VllmOptions | None = None) -> dict:
+         tree_options: dict[str, Any], vllm: VllmOptions | None = None, repeats: int = 1,
+         generate: bool = True) -> dict:
     target, gen = load_generator(target, head, dtype, device, tree_options)
     eos = target.eos_ids()
     sampling = temperature > 0
@@ -171,8 +182,6 @@ def _run(target, head, questions: list[Question], max_new_tokens: int, temperatu
         extra = dict(prompt_lookup_num_tokens=prompt_lookup) if lookup else {}
         return _generation_config(target, n, temperature, top_p, top_k, eos, **extra)
 
-    base_config = config(max_new_tokens)
-    pl_config = config(max_new_tokens, lookup=True) if prompt_lookup else None
     def sync() -> None:
         synchronize(target.device)
 
@@ -200,30 +209,36 @@ def _run(target, head, questions: list[Question], max_new_tokens: int, temperatu
         sync()
         return tokens, time.perf_counter() - t0
 
+    # The runtimes: each decodes a question's prompt ids into (result, seconds), the result its tokens (or eyas's
+    # GenerationResult, tokens and stats); `n` new tokens at most, `seed_` for sampling.
+    runtimes: dict[str, Callable[[list[int], int, int], tuple[Any, float]]] = {}
+    if generate:
+        runtimes["baseline"] = lambda ids, n, seed_: plain(ids, config(n), seed_)
+    runtimes["spec"] = spec
+    if prompt_lookup:
+        runtimes["prompt_lookup"] = lambda ids, n, seed_: plain(ids, config(n, lookup=True), seed_)
+    if eyas_plain:
+        runtimes["eyas_plain"] = one_token
+
     # One short warm-up each: first-call costs (allocations, kernel selection) stay out of the numbers.
     warm = prompt_ids(target, questions[0])
-    plain(warm, config(WARMUP_TOKENS), seed)
-    spec(warm, WARMUP_TOKENS, seed)
-    if pl_config is not None:
-        plain(warm, config(WARMUP_TOKENS, lookup=True), seed)
-    if eyas_plain:
-        one_token(warm, WARMUP_TOKENS, seed)
+    for run in runtimes.values():
+        run(warm, WARMUP_TOKENS, seed)
 
     rows, references = [], []
     bar = tqdm(questions, desc="bench", unit="q", disable=not progress)
     for i, q in enumerate(bar):
         ids = prompt_ids(target, q)
-        seed_i = seed + i
-        runs: dict[str, Callable[[], Any]] = {"baseline": lambda: plain(ids, base_config, seed_i),
-                                              "spec": lambda: spec(ids, max_new_tokens, seed_i)}
-        if pl_config is not None:
-            runs["prompt_lookup"] = lambda: plain(ids, pl_config, seed_i)
-        if eyas_plain:
-            runs["eyas_plain"] = lambda: one_token(ids, max_new_tokens, seed_i)
-        order = list(runs) if i % 2 == 0 else list(reversed(runs))  # alternate who runs first
-        done = {name: runs[name]() for name in order}
-        rows.append(_row(q, ids, done, sampling, gen.head))
-        references.append(done["baseline"][0])
+        times: dict[str, list[float]] = {name: [] for name in runtimes}
+        results: dict[str, list[Any]] = {name: [] for name in runtimes}
+        for r in range(repeats):
+            order = list(runtimes) if (i + r) % 2 == 0 else list(reversed(runtimes))  # alternate who runs first
+            for name in order:
+                result, seconds = runtimes[name](ids, max_new_tokens, seed + i)
+                results[name].append(result)
+                times[name].append(seconds)
+        rows.append(_row(q, ids, results, times, sampling, gen.head))
+        references.append(_tokens(results["baseline" if generate else "eyas_plain"][0]))
         bar.set_postfix_str(_running(rows))
 
     vllm_info = None
@@ -241,7 +256,7 @@ def _run(target, head, questions: list[Question], max_new_tokens: int, temperatu
     report = {"settings": settings(target, head, tree=tree, dtype=dtype, max_new_tokens=max_new_tokens,
                                    temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
                                    prompt_lookup=prompt_lookup, eyas_plain=eyas_plain, eos_token_ids=eos,
-                                   questions=len(rows), vllm=vllm_info),
+                                   questions=len(rows), vllm=vllm_info, repeats=repeats, generate=generate),
               # a static tree's depth is its longest path: leave the positions to the observed cycles
               **summarize(rows, sampling=sampling, depth=tree["depth"] if tree["kind"] != "static" else None)}
     return report
@@ -295,14 +310,24 @@ def _generation_config(target: Target, max_new_tokens: int, temperature: float, 
                             pad_token_id=pad if pad is not None else eos[0], **sample, **extra)
 
 
-def _row(q: Question, ids: list[int], done: dict[str, Any], sampling: bool, head: DraftHead) -> dict[str, Any]:
-    base_tokens, base_time = done["baseline"]
-    res, spec_time = done["spec"]
+def _tokens(result: Any) -> list[int]:
+    return list(result.tokens) if hasattr(result, "tokens") else list(result)
+
+
+def _row(q: Question, ids: list[int], results: dict[str, list[Any]], times: dict[str, list[float]], sampling: bool,
+         head: DraftHead) -> dict[str, Any]:
+    """One question: per runtime its tokens and its median time over the repeats (every repeat's time beside it);
+    eyas's stats from its median run."""
+    median = {name: sorted(range(len(t)), key=t.__getitem__)[(len(t) - 1) // 2] for name, t in times.items()}
+    res = results["spec"][median["spec"]]
     stats = res.stats
-    row = {
-        "question_id": q.question_id, "category": q.category, "prompt_tokens": len(ids),
-        "baseline_tokens": len(base_tokens), "baseline_time_s": base_time,
-        "spec_tokens": len(res.tokens), "spec_time_s": spec_time,
+    reference = _tokens(results["baseline" if "baseline" in results else "eyas_plain"][0])
+    row: dict[str, Any] = {"question_id": q.question_id, "category": q.category, "prompt_tokens": len(ids)}
+    for name in results:
+        row[f"{name}_tokens"] = len(_tokens(results[name][median[name]]))
+        row[f"{name}_time_s"] = times[name][median[name]]
+        row[f"{name}_times_s"] = list(times[name])
+    row.update({
         "draft_time_s": stats.draft_time_s, "target_time_s": stats.target_time_s,
         "engine_time_s": stats.total_time_s, "prefill_time_s": stats.prefill_time_s,
         "cycles": len(stats.accepted),
@@ -310,26 +335,22 @@ def _row(q: Question, ids: list[int], done: dict[str, Any], sampling: bool, head
         "accepted": list(stats.accepted),
         "drafted": list(stats.drafted),
         "depths": list(stats.depths),
-        "exact": None if sampling else list(res.tokens) == base_tokens,
+        "exact": None if sampling else all(_tokens(r) == reference for r in results["spec"]),
         # output tokens the head could never have proposed: a ceiling on acceptance set by the draft vocab
         "out_of_draft_vocab_tokens": int((~head.can_propose(torch.tensor(res.tokens, dtype=torch.long))).sum()),
-    }
-    if "prompt_lookup" in done:
-        pl_tokens, pl_time = done["prompt_lookup"]
-        row.update(prompt_lookup_tokens=len(pl_tokens), prompt_lookup_time_s=pl_time)
-    if "eyas_plain" in done:
-        ep_tokens, ep_time = done["eyas_plain"]
-        row.update(eyas_plain_tokens=len(ep_tokens), eyas_plain_time_s=ep_time,
-                   eyas_plain_exact=None if sampling else ep_tokens == base_tokens)
+    })
+    if "eyas_plain" in results:
+        row["eyas_plain_exact"] = None if sampling else all(_tokens(r) == reference for r in results["eyas_plain"])
     return row
 
 
 def _running(rows: list[dict[str, Any]]) -> str:
-    base = sum(r["baseline_tokens"] for r in rows) / max(sum(r["baseline_time_s"] for r in rows), 1e-9)
+    ref = "baseline" if "baseline_time_s" in rows[0] else "eyas_plain"
+    base = sum(r[f"{ref}_tokens"] for r in rows) / max(sum(r[f"{ref}_time_s"] for r in rows), 1e-9)
     spec = sum(r["spec_tokens"] for r in rows) / max(sum(r["spec_time_s"] for r in rows), 1e-9)
     cycles = sum(r["cycles"] for r in rows)
     tau = sum(sum(r["accepted"]) for r in rows) / max(cycles, 1)
-    return f"tau {tau:.2f} speedup {spec / max(base, 1e-9):.2f}x"
+    return f"tau {tau:.2f} speedup {spec / max(base, 1e-9):.2f}x {'generate' if ref == 'baseline' else 'eyas plain'}"
 
 
 def settings(target: Target, head: Any, **run: Any) -> dict[str, Any]:

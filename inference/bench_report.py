@@ -21,6 +21,12 @@ merged later. Conventions:
 - eyas_plain_* (with --eyas-plain): plain one-token decoding through eyas's Target. Its speedup
   over generate is what eyas's faster kernels alone give; `speedup_over_eyas_plain` is what the
   speculation adds on top of them.
+- per-question speedups (`question_speedups`): each question's speedup over the reference, plain decoding
+  through eyas's own Target when it ran (--eyas-plain), else generate, on the basis above, from the row's
+  median times over its repeats. `worst_question_speedup` (and which question), `p10_question_speedup`,
+  `median_question_speedup`, `slower_question_fraction` (share of questions below 1.0x), and
+  `worst_run_speedup`: the lowest speedup of any single repeat (repeat r of eyas against repeat r of the
+  reference, run beside it).
 - vllm_* (with --vllm): the same head in vLLM (runtimes_vllm.py), a chain of vllm_draft_tokens per step.
   vllm_tau and vllm_accept_rate_per_position follow the definitions above; vllm_speedup is over generate;
   vllm_plain_* is vLLM without the head and `vllm_speedup_over_plain` what the head adds inside vLLM.
@@ -40,7 +46,8 @@ def summarize(rows: Sequence[dict[str, Any]], sampling: bool, depth: int | None 
     by_category: dict[str, list[dict[str, Any]]] = defaultdict(list)
     for r in rows:
         by_category[r["category"]].append(r)
-    positions = max([depth or 0] + [a - 1 for r in rows for a in r["accepted"]] + [d for r in rows for d in r.get("depths", ())])
+    positions = max([depth or 0] + [a - 1 for r in rows for a in r["accepted"]]
+                    + [d for r in rows for d in r.get("depths", ())])
     return {
         "overall": _summary(rows, sampling, positions),
         "per_category": {c: _summary(rs, sampling, positions) for c, rs in by_category.items()},
@@ -53,23 +60,17 @@ def _summary(rows: Sequence[dict[str, Any]], sampling: bool, positions: int) -> 
     # rows from before per-cycle depths were recorded: every cycle drafted as deep as `positions`
     depths = [d for r in rows for d in r.get("depths", [positions] * len(r["accepted"]))]
     drafted = [n for r in rows for n in r.get("drafted", ())]
-    base_tokens, base_time = _total(rows, "baseline_tokens"), _total(rows, "baseline_time_s")
     spec_tokens, spec_time = _total(rows, "spec_tokens"), _total(rows, "spec_time_s")
     engine_time = _total(rows, "engine_time_s")
     draft_time, target_time = _total(rows, "draft_time_s"), _total(rows, "target_time_s")
-    same_length = all(r["baseline_tokens"] == r["spec_tokens"] for r in rows)
     s: dict[str, Any] = {
         "questions": len(rows),
         "tau": sum(accepted) / len(accepted) if accepted else 0.0,
         "accept_rate_per_position": accept_rate_per_position(accepted, positions, depths),
         "plain_cycle_fraction": _ratio(sum(d == 0 for d in depths), len(depths)),
         "mean_draft_nodes": _ratio(sum(drafted), sum(n > 0 for n in drafted)),  # per drafting cycle
-        "baseline_tokens": base_tokens, "spec_tokens": spec_tokens,
-        "baseline_time_s": base_time, "spec_time_s": spec_time,
-        "baseline_tokens_per_s": _ratio(base_tokens, base_time),
+        "spec_tokens": spec_tokens, "spec_time_s": spec_time,
         "spec_tokens_per_s": _ratio(spec_tokens, spec_time),
-        "speedup": _speedup(base_tokens, base_time, spec_tokens, spec_time, same_length),
-        "speedup_basis": "time" if same_length else "tokens_per_s",
         "draft_time_fraction": _ratio(draft_time, engine_time),
         "target_time_fraction": _ratio(target_time, engine_time),
         "engine_overhead_fraction": _ratio(engine_time - draft_time - target_time, engine_time),
@@ -77,21 +78,63 @@ def _summary(rows: Sequence[dict[str, Any]], sampling: bool, positions: int) -> 
     }
     if all("out_of_draft_vocab_tokens" in r for r in rows):
         s["out_of_draft_vocab_fraction"] = _ratio(_total(rows, "out_of_draft_vocab_tokens"), spec_tokens)
-    if all("prompt_lookup_time_s" in r for r in rows):
-        pl_tokens, pl_time = _total(rows, "prompt_lookup_tokens"), _total(rows, "prompt_lookup_time_s")
-        pl_same = all(r["baseline_tokens"] == r["prompt_lookup_tokens"] for r in rows)
-        s["prompt_lookup_tokens_per_s"] = _ratio(pl_tokens, pl_time)
-        s["prompt_lookup_speedup"] = _speedup(base_tokens, base_time, pl_tokens, pl_time, pl_same)
-    if rows and all("vllm_time_s" in r for r in rows):
-        s.update(_vllm_summary(rows, sampling, base_tokens, base_time))
+    if all("baseline_time_s" in r for r in rows):  # transformers generate: the headline baseline
+        base_tokens, base_time = _total(rows, "baseline_tokens"), _total(rows, "baseline_time_s")
+        same_length = all(r["baseline_tokens"] == r["spec_tokens"] for r in rows)
+        s.update({"baseline_tokens": base_tokens, "baseline_time_s": base_time,
+                  "baseline_tokens_per_s": _ratio(base_tokens, base_time),
+                  "speedup": _speedup(base_tokens, base_time, spec_tokens, spec_time, same_length),
+                  "speedup_basis": "time" if same_length else "tokens_per_s"})
+        if all("prompt_lookup_time_s" in r for r in rows):
+            pl_tokens, pl_time = _total(rows, "prompt_lookup_tokens"), _total(rows, "prompt_lookup_time_s")
+            pl_same = all(r["baseline_tokens"] == r["prompt_lookup_tokens"] for r in rows)
+            s["prompt_lookup_tokens_per_s"] = _ratio(pl_tokens, pl_time)
+            s["prompt_lookup_speedup"] = _speedup(base_tokens, base_time, pl_tokens, pl_time, pl_same)
+        if rows and all("vllm_time_s" in r for r in rows):
+            s.update(_vllm_summary(rows, sampling, base_tokens, base_time))
     if all("eyas_plain_time_s" in r for r in rows):
         ep_tokens, ep_time = _total(rows, "eyas_plain_tokens"), _total(rows, "eyas_plain_time_s")
-        ep_same = all(r["baseline_tokens"] == r["eyas_plain_tokens"] for r in rows)
+        ep_same = all(r["eyas_plain_tokens"] == r["spec_tokens"] for r in rows)
         s["eyas_plain_tokens_per_s"] = _ratio(ep_tokens, ep_time)
-        s["eyas_plain_speedup"] = _speedup(base_tokens, base_time, ep_tokens, ep_time, ep_same)
-        s["speedup_over_eyas_plain"] = _speedup(ep_tokens, ep_time, spec_tokens, spec_time,
-                                                all(r["eyas_plain_tokens"] == r["spec_tokens"] for r in rows))
+        if "speedup" in s:
+            s["eyas_plain_speedup"] = _speedup(base_tokens, base_time, ep_tokens, ep_time,
+                                               all(r["baseline_tokens"] == r["eyas_plain_tokens"] for r in rows))
+        s["speedup_over_eyas_plain"] = _speedup(ep_tokens, ep_time, spec_tokens, spec_time, ep_same)
+        s.setdefault("speedup_basis", "time" if ep_same else "tokens_per_s")
+    if rows:
+        s.update(_distribution(rows))
     return s
+
+
+def question_speedups(rows: Sequence[dict[str, Any]]) -> tuple[str, list[float], list[float]]:
+    """(reference runtime, each question's speedup over it from median times, each question's worst single
+    repeat). The reference is eyas's own plain decoding when every row has it, else generate."""
+    ref = "eyas_plain" if all("eyas_plain_time_s" in r for r in rows) else "baseline"
+    medians, worst = [], []
+    for r in rows:
+        same = r[f"{ref}_tokens"] == r["spec_tokens"]
+        medians.append(_speedup(r[f"{ref}_tokens"], r[f"{ref}_time_s"], r["spec_tokens"], r["spec_time_s"], same))
+        runs = zip(r.get(f"{ref}_times_s", [r[f"{ref}_time_s"]]), r.get("spec_times_s", [r["spec_time_s"]]))
+        worst.append(min(_speedup(r[f"{ref}_tokens"], t_ref, r["spec_tokens"], t, same) for t_ref, t in runs))
+    return ref, medians, worst
+
+
+def _distribution(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    ref, speedups, worst_runs = question_speedups(rows)
+    order = sorted(range(len(rows)), key=speedups.__getitem__)
+    return {"question_speedup_reference": ref,
+            "worst_question_speedup": speedups[order[0]], "worst_question": rows[order[0]].get("question_id"),
+            "p10_question_speedup": _quantile(speedups, 0.1), "median_question_speedup": _quantile(speedups, 0.5),
+            "slower_question_fraction": sum(x < 1.0 for x in speedups) / len(speedups),
+            "worst_run_speedup": min(worst_runs)}
+
+
+def _quantile(values: Sequence[float], q: float) -> float:
+    """Linear interpolation between the closest ranks (numpy's default)."""
+    v = sorted(values)
+    pos = q * (len(v) - 1)
+    lo = int(pos)
+    return v[lo] + (v[min(lo + 1, len(v) - 1)] - v[lo]) * (pos - lo)
 
 
 def _vllm_summary(rows: Sequence[dict[str, Any]], sampling: bool, base_tokens: float,
@@ -142,26 +185,40 @@ def _speedup(base_tokens: float, base_time: float, tokens: float, time: float, s
 
 
 def format_table(report: dict[str, Any]) -> str:
-    """Per category then overall: tau, tokens/s, speedups, time shares, exactness."""
-    lines = [("category", "n", "tau", "base tok/s", "eyas tok/s", "speedup", "lookup x", "draft %", "overhead %",
-              "plain %", "oov %", "exact")]
+    """Per category then overall: tau, tokens/s, speedups, the spread of per-question speedups, time shares,
+    exactness."""
+    def x(value: float | None) -> str:
+        return "-" if value is None else f"{value:.2f}x"
+
+    ref = report["overall"].get("question_speedup_reference", "baseline")
+    lines = [("category", "n", "tau", "base tok/s", "eyas tok/s", "speedup", "vs plain", "worst", "p10", "slower %",
+              "lookup x", "draft %", "overhead %", "plain %", "oov %", "exact")]
     groups = sorted(report["per_category"].items()) + [("overall", report["overall"])]
     for name, s in groups:
-        lookup = s.get("prompt_lookup_speedup")
         exact, oov = s["exact_match_fraction"], s.get("out_of_draft_vocab_fraction")
-        lines.append((name, str(s["questions"]), f"{s['tau']:.2f}", f"{s['baseline_tokens_per_s']:.1f}",
-                      f"{s['spec_tokens_per_s']:.1f}", f"{s['speedup']:.2f}x",
-                      "-" if lookup is None else f"{lookup:.2f}x", f"{100 * s['draft_time_fraction']:.1f}",
-                      f"{100 * s['engine_overhead_fraction']:.1f}", f"{100 * s['plain_cycle_fraction']:.0f}",
-                      "-" if oov is None else f"{100 * oov:.1f}", "-" if exact is None else f"{exact:.2f}"))
+        base = s.get("baseline_tokens_per_s")
+        lines.append((name, str(s["questions"]), f"{s['tau']:.2f}", "-" if base is None else f"{base:.1f}",
+                      f"{s['spec_tokens_per_s']:.1f}", x(s.get("speedup")), x(s.get("speedup_over_eyas_plain")),
+                      x(s["worst_question_speedup"]), x(s["p10_question_speedup"]),
+                      f"{100 * s['slower_question_fraction']:.0f}", x(s.get("prompt_lookup_speedup")),
+                      f"{100 * s['draft_time_fraction']:.1f}", f"{100 * s['engine_overhead_fraction']:.1f}",
+                      f"{100 * s['plain_cycle_fraction']:.0f}", "-" if oov is None else f"{100 * oov:.1f}",
+                      "-" if exact is None else f"{exact:.2f}"))
     widths = [max(len(line[i]) for line in lines) for i in range(len(lines[0]))]
     out = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(line, widths)))
            for line in lines]
     out.insert(1, "-" * len(out[0]))
     out.insert(len(out) - 1, "-" * len(out[0]))
-    if report["overall"]["speedup_basis"] != "time":
-        out.append("speedup is a tokens/s ratio: outputs differ in length (sampling), so times are not for the same tokens")
+    repeats = report.get("settings", {}).get("repeats", 1)
+    against = "eyas's own plain decoding" if ref == "eyas_plain" else "generate"
     o = report["overall"]
+    out.append(f"worst / p10 / slower %: per-question speedups over {against}"
+               + (f", each the median of {repeats} alternated repeats" if repeats > 1 else "")
+               + f"; worst question {o['worst_question']} ({o['worst_question_speedup']:.2f}x), "
+               f"worst single run {o['worst_run_speedup']:.2f}x")
+    if o["speedup_basis"] != "time":
+        out.append("speedups are tokens/s ratios: outputs differ in length (sampling), so times are not for the "
+                   "same tokens")
     if "vllm_tau" in o:
         rates = ", ".join("-" if r is None else f"{r:.2f}" for r in o["vllm_accept_rate_per_position"])
         exact = o["vllm_exact_match_fraction"]
@@ -170,22 +227,22 @@ def format_table(report: dict[str, Any]) -> str:
         out.append(f"vLLM {report['settings'].get('vllm', {}).get('version', '')}, same head: tau {o['vllm_tau']:.2f} "
                    f"(acceptance per position {rates}), {o['vllm_tokens_per_s']:.1f} tok/s, "
                    f"{o['vllm_speedup']:.2f}x generate{plain}" + ("" if exact is None else f", exact {exact:.2f}"))
-    if "eyas_plain_speedup" in o:
-        out.append(f"eyas plain one-token decoding: {o['eyas_plain_tokens_per_s']:.1f} tok/s, "
-                   f"{o['eyas_plain_speedup']:.2f}x generate (kernels alone); speculation adds "
-                   f"{o['speedup_over_eyas_plain']:.2f}x on top")
+    if "eyas_plain_tokens_per_s" in o:
+        generate = f", {o['eyas_plain_speedup']:.2f}x generate (kernels alone)" if "eyas_plain_speedup" in o else ""
+        out.append(f"eyas plain one-token decoding: {o['eyas_plain_tokens_per_s']:.1f} tok/s{generate}; speculation "
+                   f"adds {o['speedup_over_eyas_plain']:.2f}x on top")
     return "\n".join(out)
 
 
 def write_plot(report: dict[str, Any], path: str | os.PathLike) -> None:
-    """Two panels: acceptance per draft position, and speedup per category, eyas's bars beside those of prompt
-    lookup and vLLM where they ran."""
+    """Three panels: acceptance per draft position; speedup per category, eyas's bars beside those of prompt
+    lookup and vLLM where they ran; and every question's speedup over the per-question reference."""
     import matplotlib
 
     matplotlib.use("Agg")  # files only; never needs a display
     import matplotlib.pyplot as plt
 
-    fig, (ax_acc, ax_speed) = plt.subplots(1, 2, figsize=(11, 4))
+    fig, (ax_acc, ax_speed, ax_q) = plt.subplots(1, 3, figsize=(16, 4.2), gridspec_kw={"width_ratios": [1, 1, 1.3]})
     o = report["overall"]
     rates = {"eyas": o["accept_rate_per_position"], "vLLM": o.get("vllm_accept_rate_per_position")}
     positions = max(len(r) for r in rates.values() if r is not None)
@@ -197,13 +254,32 @@ def write_plot(report: dict[str, Any], path: str | os.PathLike) -> None:
     ax_acc.set(xlabel="draft position", ylabel="acceptance rate (given previous accepted)", ylim=(0, 1), title=title)
 
     groups = sorted(report["per_category"].items()) + [("overall", o)]
-    series = [("eyas", "speedup", "tab:blue"), ("prompt lookup", "prompt_lookup_speedup", "tab:gray"),
-              ("vLLM", "vllm_speedup", "tab:orange")]
+    generate = "speedup" in o
+    series = [("eyas", "speedup" if generate else "speedup_over_eyas_plain", "tab:blue"),
+              ("prompt lookup", "prompt_lookup_speedup", "tab:gray"), ("vLLM", "vllm_speedup", "tab:orange")]
     _bars(ax_speed, [n for n, _ in groups], [(label, [s[key] for _, s in groups], color)
                                             for label, key, color in series if all(key in s for _, s in groups)])
     ax_speed.axhline(1.0, color="black", linewidth=0.8)
     plt.setp(ax_speed.get_xticklabels(), rotation=30, ha="right")
-    ax_speed.set(ylabel="speedup over transformers generate", title="speedup per category")
+    ax_speed.set(ylabel=f"speedup over {'transformers generate' if generate else 'eyas plain decoding'}",
+                 title="speedup per category")
+
+    # every question, grouped by category and sorted within it: the spread the means hide
+    rows = report["questions"]
+    ref, speedups, _ = question_speedups(rows)
+    categories = sorted({r["category"] for r in rows})
+    x = 0
+    for c, color in zip(categories, plt.cm.tab10.colors * (len(categories) // 10 + 1)):
+        values = sorted(v for r, v in zip(rows, speedups) if r["category"] == c)
+        ax_q.scatter(range(x, x + len(values)), values, s=12, color=color, label=c)
+        x += len(values)
+    for level, style in ((1.0, "-"), (0.97, ":")):
+        ax_q.axhline(level, color="black", linewidth=0.8, linestyle=style)
+    ax_q.set(xlabel="question (by category, sorted)", xticks=[],
+             ylabel=f"speedup over {'eyas plain decoding' if ref == 'eyas_plain' else 'transformers generate'}",
+             title=f"per question: worst {o['worst_question_speedup']:.2f}x, p10 {o['p10_question_speedup']:.2f}x, "
+                   f"{100 * o['slower_question_fraction']:.0f}% below 1x")
+    ax_q.legend(fontsize=7, ncol=2, loc="upper left")
     st = report.get("settings", {})
     fig.suptitle(f"{st.get('target', '')}  {st.get('dtype', '')}  T={st.get('temperature', '')}  "
                  f"{st.get('max_new_tokens', '')} new tokens", fontsize=9)

@@ -32,7 +32,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                        "or HumanEval-style rows ({prompt}: used raw). Writes REPORT.json and REPORT.png beside it.")
     _add_model_options(p)
     p.add_argument("--questions", default="mt-bench",
-                   help="questions: `mt-bench` (the 80 MT-bench questions, shipped with eyas; default) or a .jsonl file")
+                   help="questions: `mt-bench` (the 80 MT-bench questions, shipped with eyas; default) or a .jsonl "
+                   "file")
     p.add_argument("--out", required=True, help="report .json path; the plot goes beside it as .png")
     _add_sampling_options(p)
     p.add_argument("--seed", type=int, default=0, help="sampling seed; question i uses seed+i on both sides")
@@ -44,7 +45,14 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="also run transformers prompt-lookup decoding with N candidate tokens (default N=10)")
     p.add_argument("--eyas-plain", action="store_true",
                    help="also time plain one-token decoding through eyas's Target: separates what its faster "
-                   "logits give from what speculation gives")
+                   "logits give from what speculation gives, and is the reference of the per-question speedups "
+                   "(worst, p10, share slower)")
+    p.add_argument("--repeats", type=int, default=1, metavar="N",
+                   help="run every question N times, the runtimes in alternating order each time; per question the "
+                   "median time counts, and the worst single run is reported too (default 1)")
+    p.add_argument("--no-generate", action="store_true",
+                   help="skip transformers generate (needs --eyas-plain, then the only reference): saves a third of "
+                   "the time when only speculation against plain decoding matters")
     p.add_argument("--vllm", action="store_true",
                    help="also run the head (exported to the speculators layout) and plain decoding through vLLM, "
                    "installed in its own environment (docs/runtimes.md); its tau, acceptance and tok/s join the report")
@@ -248,7 +256,7 @@ def _bench(args: argparse.Namespace) -> int:
                        dtype=args.dtype, device=args.device, limit=args.limit, per_category=args.per_category,
                        threads=args.threads,
                        prompt_lookup=args.prompt_lookup, eyas_plain=args.eyas_plain, out=args.out, vllm=vllm,
-                       **tree_options(args))
+                       repeats=args.repeats, generate=not args.no_generate, **tree_options(args))
     print(format_table(report))
     print(f"report: {args.out}\nplot:   {Path(args.out).with_suffix('.png')}")
     return 0

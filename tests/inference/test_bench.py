@@ -5,7 +5,7 @@ import torch
 
 from eyas.inference import bench
 from eyas.inference.bench import Question, load_questions, run_bench
-from eyas.inference.bench_report import accept_rate_per_position, summarize
+from eyas.inference.bench_report import accept_rate_per_position, format_table, summarize
 from eyas.inference.sampling import Sampling
 from eyas.models import DraftHead, save_head
 from eyas.models.head_config import head_config_for
@@ -208,3 +208,38 @@ def test_sampling_runs_both_sides_with_the_same_settings(tmp_path, pair):
     assert report["overall"]["exact_match_fraction"] is None
     assert report["settings"]["temperature"] == 0.8 and report["settings"]["top_k"] == 20
     assert all(0 < r["spec_tokens"] <= 6 and 0 < r["baseline_tokens"] <= 6 for r in report["questions"])
+
+
+def test_repeats_alternate_and_the_report_resummarises_from_its_rows(tmp_path, pair):
+    report = run_bench(*pair, QUESTIONS_AS_OBJECTS, max_new_tokens=8, eyas_plain=True, generate=False, repeats=3,
+                       out=tmp_path / "r.json", progress=False, **SMALL_TREE)
+    for row in report["questions"]:
+        assert "baseline_time_s" not in row and row["exact"] and row["eyas_plain_exact"]
+        for name in ("spec", "eyas_plain"):
+            times = row[f"{name}_times_s"]
+            assert len(times) == 3 and row[f"{name}_time_s"] == sorted(times)[1]  # the median of three
+    saved = json.loads((tmp_path / "r.json").read_text())
+    again = summarize(saved["questions"], sampling=False, depth=SMALL_TREE["depth"])
+    assert again["overall"] == saved["overall"] and again["per_category"] == saved["per_category"]
+    o = saved["overall"]
+    assert o["question_speedup_reference"] == "eyas_plain" and "speedup" not in o
+    assert o["worst_run_speedup"] <= o["worst_question_speedup"] <= o["p10_question_speedup"]
+    table = format_table(saved)
+    assert "worst" in table and "median of 3 alternated repeats" in table
+    assert (tmp_path / "r.png").stat().st_size > 0
+
+
+def test_question_speedups_give_the_worst_question_the_tenth_percentile_and_the_share_slower():
+    rows = [{"question_id": i, "category": "c" if i < 5 else "d", "accepted": [1], "spec_tokens": 10,
+             "spec_time_s": 1.0, "spec_times_s": [1.0, 1.0, 1.0], "eyas_plain_tokens": 10,
+             "eyas_plain_time_s": t, "eyas_plain_times_s": [t, t, 0.5 if i == 3 else t], "engine_time_s": 1.0,
+             "draft_time_s": 0.1, "target_time_s": 0.8, "exact": True}
+            for i, t in enumerate([0.9, 1.2, 1.5, 1.1, 2.0, 0.96, 1.3, 1.4, 1.6, 1.7])]
+    report = summarize(rows, sampling=False)
+    o = report["overall"]
+    assert o["worst_question"] == 0 and o["worst_question_speedup"] == pytest.approx(0.9)
+    assert o["p10_question_speedup"] == pytest.approx(0.9 + 0.9 * (0.96 - 0.9))  # between the lowest two
+    assert o["slower_question_fraction"] == pytest.approx(0.2)
+    assert o["worst_run_speedup"] == pytest.approx(0.5)  # question 3's third run, not its median
+    assert report["per_category"]["d"]["worst_question"] == 5
+    assert report["per_category"]["c"]["slower_question_fraction"] == pytest.approx(0.2)
