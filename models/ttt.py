@@ -108,5 +108,8 @@ def _packed_rows(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, inde
         visible &= col > index[:, None] + step - window
     scores = scores.masked_fill(~visible, float("-inf"))
     chain = torch.einsum("krpd,kpid->krpi", q, chain_k)  # [kv, rep, c, i]
+    if window is not None and step >= window:  # chain key j (steps 1..i) sits step - j positions back
+        behind = step - torch.arange(1, chain.shape[-1] + 1, device=q.device)
+        chain = chain.masked_fill(behind >= window, float("-inf"))
     probs = torch.softmax(torch.cat([scores, chain], dim=-1), dim=-1)
     return probs[..., :t] @ values[:, None] + torch.einsum("krpi,kpid->krpd", probs[..., t:], chain_v)

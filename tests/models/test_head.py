@@ -120,3 +120,50 @@ def test_drafting_through_the_cache_matches_one_masked_block(norm_before_residua
         steps.append(head(ids[:, t:t + 1], hidden[:, t:t + 1], pos[:, t:t + 1], mask, cache).logits)
         cache.commit([1])
     torch.testing.assert_close(torch.cat(steps, dim=1), block, rtol=1e-5, atol=1e-5)
+
+
+def test_a_head_with_its_own_window_drafts_what_its_paths_compute_alone():
+    """A head with `sliding_window` (released EAGLE-3 heads for sliding-window targets carry one): every draft node's
+    score, over two cycles, equals running the head along that node's path alone, in one cache-free forward per step
+    under a dense mask of that window; without the window the same reference disagrees."""
+    from eyas.inference.drafter import DraftContext, HeadDrafter, TreeOptions
+
+    target = tiny_target("llama")
+    window = 4
+    torch.manual_seed(0)
+    head = DraftHead(head_config_for(target, "eagle3", sliding_window=window), target)
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(4, 300, (1, 17), generator=g)
+    features = target(ids, layer_ids=head.config.fused_layer_ids).features
+    drafter = HeadDrafter(head, TreeOptions(total_tokens=12, top_k=3, depth=4).expansion())
+    drafter.reset(1, 64)
+
+    def context(a, b):  # EAGLE shift: the feature at position t goes with token t + 1
+        return DraftContext(ids[:, a + 1:b + 1], features[:, a:b], torch.arange(a, b)[None], [b - a])
+
+    def reference_score(upto, path, window):
+        """Cumulative draft log-probability of `path` (tokens) after the first upto + 1 tokens, step by step."""
+        tokens, hidden = ids[:, 1:upto + 1], head.fuse(features[:, :upto])
+        score = 0.0
+        for tok in path:
+            pos = torch.arange(tokens.shape[1])
+            allowed = (pos[None, :] <= pos[:, None]) & (pos[:, None] - pos[None, :] < window)
+            out = head(tokens, hidden, pos[None], allowed[None])
+            score += float(torch.log_softmax(out.logits[0, -1].float(), -1)[tok])
+            tokens = torch.cat([tokens, torch.tensor([[tok]])], 1)
+            hidden = torch.cat([hidden, out.hidden[:, -1:]], 1)
+        return score
+
+    mismatches_without_window = 0
+    with torch.no_grad():
+        for a, b in ((0, 12), (12, 15)):  # the prompt, then three accepted tokens
+            tree = drafter.draft(context(a, b)).tree()
+            for i in range(1, tree.size):
+                path, node = [], i
+                while node > 0:
+                    path.append(int(tree.tokens[0, node]))
+                    node = int(tree.parents[0, node])
+                path.reverse()
+                assert abs(reference_score(b, path, window) - float(tree.scores[0, i])) < 1e-4, (b, i)
+                mismatches_without_window += abs(reference_score(b, path, 10 ** 6) - float(tree.scores[0, i])) > 1e-4
+    assert mismatches_without_window > 0

@@ -146,10 +146,12 @@ def _grads(head):
     return {k: p.grad.clone() for k, p in head.named_parameters() if p.grad is not None}
 
 
-@pytest.mark.parametrize("head_type, arch, layers", [("eagle3", "llama", 1), ("eagle3", "qwen2", 1),
-                                                     ("eagle3", "llama", 2), ("eagle1", "llama", 1),
-                                                     ("eagle1", "qwen2", 1)])
-def test_optimised_loss_and_gradients_equal_the_reference(head_type, arch, layers):
+@pytest.mark.parametrize("head_type, arch, layers, window", [
+    ("eagle3", "llama", 1, None), ("eagle3", "qwen2", 1, None), ("eagle3", "llama", 2, None),
+    ("eagle1", "llama", 1, None), ("eagle1", "qwen2", 1, None),
+    ("eagle3", "llama", 2, 2),  # a head with its own sliding window, shorter than the TTT unroll
+])
+def test_optimised_loss_and_gradients_equal_the_reference(head_type, arch, layers, window):
     """Loss, metrics and every gradient match the every-index reference, with prompt/assistant/padding
     masks that leave some rows without loss at late steps, indices at the end that lead to no loss
     (trimmed), step-0 rows that only leave keys/values, and one row without any loss. With two
@@ -157,7 +159,8 @@ def test_optimised_loss_and_gradients_equal_the_reference(head_type, arch, layer
     target = tiny_target(arch)
     torch.manual_seed(0)
     eagle3 = head_type == "eagle3"
-    config = head_config_for(target, head_type, draft_vocab_size=64 if eagle3 else None, num_layers=layers)
+    config = head_config_for(target, head_type, draft_vocab_size=64 if eagle3 else None, num_layers=layers,
+                             sliding_window=window)
     head = DraftHead(config, target)
     if eagle3:
         head.set_vocab_map(torch.arange(0, 128, 2))
