@@ -3,7 +3,7 @@ import torch
 
 from eyas.models import Target
 from eyas.models.masks import after_history, causal
-from tests.helpers.tiny import FIXTURES, tiny_target
+from tests.helpers.tiny import FIXTURES, tiny_target, tiny_tokenizer
 
 
 def tree_block(parents: list[int]) -> torch.Tensor:
@@ -219,10 +219,11 @@ def test_ragged_spans_are_the_cheapest_contiguous_split():
     for n in range(1, 9):
         need = torch.randint(1, 400, (n,), generator=g).tolist()
         spans = ragged_spans(need, call_cost=100)
-        assert [a for a, _, _ in spans] == [0] + [b for _, b, _ in spans[:-1]] and spans[-1][1] == n  # covers every row once
+        # covers every row once
+        assert [a for a, _, _ in spans] == [0] + [b for _, b, _ in spans[:-1]] and spans[-1][1] == n
         assert all(m == max(need[a:b]) for a, b, m in spans)  # each span reads as far as its neediest row
 
-        def cost(cuts):
+        def cost(cuts, n=n, need=need):
             bounds = [0, *cuts, n]
             return sum((b - a) * max(need[a:b]) + 100 for a, b in zip(bounds, bounds[1:]))
 
@@ -260,3 +261,70 @@ def test_rows_of_different_lengths_attend_only_over_their_own_columns(arch, monk
     for b, n in enumerate(lens):  # and each row as if it were alone
         alone = target.model(torch.cat([ids[b:b + 1, :n], step[b:b + 1]], 1)).logits[0, -1]
         torch.testing.assert_close(logits["eyas"][0][b], alone, rtol=1e-5, atol=1e-5)
+
+
+# ---- what the target can and cannot verify exactly ------------------------------------------------------------
+def _tiny(config_name: str, model_name: str, **settings):
+    import transformers
+
+    torch.manual_seed(0)
+    model = getattr(transformers, model_name)(getattr(transformers, config_name)(**settings)).eval()
+    return Target(model, tiny_tokenizer(320), f"tiny-{model_name}")
+
+
+@pytest.mark.parametrize("config,model,settings,message", [
+    ("MambaConfig", "MambaForCausalLM", dict(state_size=4), "'linear_attention' layers, which carry a recurrent"),
+    ("JambaConfig", "JambaForCausalLM", dict(num_attention_heads=4, num_key_value_heads=2, intermediate_size=64,
+                                             attn_layer_period=2, attn_layer_offset=1, num_experts=2,
+                                             mamba_d_state=4), "'linear_attention' layers"),
+    ("Lfm2Config", "Lfm2ForCausalLM", dict(num_attention_heads=4, num_key_value_heads=2, intermediate_size=64,
+                                           layer_types=["conv", "full_attention"]), "'conv' layers"),
+    ("RwkvConfig", "RwkvForCausalLM", dict(attention_hidden_size=32, intermediate_size=64),
+     "keeps no keys and values"),
+])
+def test_targets_with_recurrent_state_are_refused_naming_why(config, model, settings, message):
+    from eyas.models.errors import Unsupported
+
+    target = _tiny(config, model, vocab_size=320, hidden_size=32, num_hidden_layers=2, **settings)
+    with pytest.raises(Unsupported, match=message):
+        target.verify_mode()
+
+
+def test_a_model_that_masks_by_cache_column_verifies_chains():
+    """GPT-Neo's local layers mask by cache column (a window of 256 columns, longer than the check's sequences):
+    only the check's row of unused columns shows it, so such a target verifies chains, where column = position."""
+    def gpt_neo():
+        return _tiny("GPTNeoConfig", "GPTNeoForCausalLM", vocab_size=320, hidden_size=32, num_layers=2, num_heads=4,
+                     attention_types=[[["global", "local"], 1]], window_size=256, max_position_embeddings=2048)
+
+    assert gpt_neo().verify_mode() == "chain"
+    no_gap = gpt_neo()
+    no_gap.GAP = 0
+    assert no_gap.verify_mode() == "tree"  # what the check would conclude from rows of similar lengths alone
+
+
+def test_lengths_past_a_length_dependent_rope_switch_are_refused():
+    from eyas.inference import SpeculativeGenerator
+    from eyas.models.errors import InputError, Unsupported
+    from tests.helpers.families import family_target
+    from tests.helpers.inference import make_head
+
+    target = family_target("phi3-longrope")  # long factors past 128 tokens, 256 positions in all
+    target.check_length(128)
+    with pytest.raises(Unsupported, match="longrope.*128"):
+        target.check_length(129)
+    with pytest.raises(InputError, match="max_position_embeddings"):
+        target.check_length(257)
+    gen = SpeculativeGenerator(target, make_head(target))
+    with pytest.raises(Unsupported, match="longrope"):
+        gen.generate(list(range(10, 110)), max_new_tokens=40)
+
+
+def test_eagle3_features_are_refused_where_layers_pass_several_streams():
+    from eyas.models.errors import Unsupported
+    from tests.helpers.families import family_target
+
+    target = family_target("gemma3n")  # AltUp: [2, B, T, H] between layers
+    assert target(torch.randint(4, 300, (1, 5)), layer_ids=(target.num_layers,)).features is not None  # the output
+    with pytest.raises(Unsupported, match="eagle1"):
+        target(torch.randint(4, 300, (1, 5)), layer_ids=(1, 2))
