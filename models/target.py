@@ -129,6 +129,7 @@ class Target(nn.Module):
         self._fingerprint: str | None = None
         self._kinds: dict[str, Kind] | None = None
         self._verify_mode: str | None = None
+        self._checking = False
         self.cpu_kernels = cpu_kernels
         self.logit_projection = CpuLinear(self.lm_head, row_copy=True, enabled=cpu_kernels)  # every logit eyas computes
         self._linears = [CpuLinear(m, enabled=cpu_kernels) for m in self._layers.modules() if type(m) is nn.Linear]
@@ -275,6 +276,12 @@ class Target(nn.Module):
             if allowed.shape != (b, t, width):
                 raise ValueError(f"mask must be [B, T, width] = {(b, t, width)}, got {tuple(allowed.shape)}")
             need = [n + cache.pending + t for n in cache.host_lengths]
+            if not self._checking and self.verify_mode() == "chain":
+                raise Unsupported(
+                    f"target {self.name_or_path!r} does not attend exactly through eyas's explicit masks (it takes "
+                    "positions or windows from masks of its own: ALiBi, windows by cache column), which rows of "
+                    "different lengths, draft trees and packed prompts need; it runs one row at a time with its own "
+                    "masks (speculative generation does so by itself; regeneration: a serving engine, --server)")
         elif cache is not None and cache.uniform is None:
             raise ValueError("cache rows have different lengths: give the mask of what each token sees (allowed)")
         captured: dict[int, torch.Tensor] = {}
@@ -352,8 +359,12 @@ class Target(nn.Module):
         positions by cache column shows it. Raises Unsupported if even a plain continuation through eyas's cache
         disagrees with the model."""
         if self._verify_mode is None:
-            with torch.no_grad():
-                self._verify_mode = self._check_verify_mode()
+            self._checking = True  # the check's own forwards take explicit masks
+            try:
+                with torch.no_grad():
+                    self._verify_mode = self._check_verify_mode()
+            finally:
+                self._checking = False
         return self._verify_mode
 
     GAP = 1024  # unused cache columns after one row's history in the check (at most up to the model's length limit)

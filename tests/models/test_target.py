@@ -328,3 +328,19 @@ def test_eagle3_features_are_refused_where_layers_pass_several_streams():
     assert target(torch.randint(4, 300, (1, 5)), layer_ids=(target.num_layers,)).features is not None  # the output
     with pytest.raises(Unsupported, match="eagle1"):
         target(torch.randint(4, 300, (1, 5)), layer_ids=(1, 2))
+
+
+def test_a_chain_verifying_target_refuses_explicit_masks():
+    """ALiBi models take positions from their own masks: any forward with eyas's explicit masks (rows of different
+    lengths, trees, packed prompts; regeneration makes such forwards) is refused instead of computing other logits."""
+    from eyas.models.errors import Unsupported
+    from tests.helpers.families import family_target
+
+    target = family_target("falcon-alibi")
+    cache = target.new_cache(2, 16)
+    target(torch.randint(4, 300, (2, 6)), cache=cache, logits=False)
+    cache.commit([6, 4])
+    allowed = after_history(cache.lengths, torch.ones(2, 1, 1, dtype=torch.bool), cache.width + 1)
+    with pytest.raises(Unsupported, match="explicit masks"):
+        target(torch.randint(4, 300, (2, 1)), cache.lengths[:, None], cache, allowed)
+    assert target.verify_mode() == "chain"
