@@ -231,10 +231,12 @@ def training_step(config, seq_len: int, batch: int = 1, head_type: str = "eagle3
 
 
 def speculative_cycle(config, batch: int = 1, context: int = 4096, prompt: int | None = None, tree_tokens: int = 64,
-                      draft_vocab_size: int = 32000, dtype: str = "bf16") -> Estimate:
+                      draft_vocab_size: int = 32000, dtype: str = "bf16", cpu_copies: tuple[str, ...] = ()) -> Estimate:
     """Peak bytes of speculative generation for `batch` rows of `context` tokens (prompt + answer): weights, the
-    target's and the head's KV caches, and the larger of the prefill's (a `prompt`-token forward, default the
-    whole context) and a verify forward's (tree_tokens per row) temporaries."""
+    target's and the head's KV caches, and the larger of the prefill's (a `prompt`-token forward, default the whole
+    context, then the head's catch-up over it) and a verify forward's (tree_tokens per row) temporaries.
+    cpu_copies: on a CPU in fp32, eyas's kernels keep a oneDNN copy of the linear weights of "head" (the drafter,
+    always) and "target" (unless the Target was made with cpu_kernels=False)."""
     from .head_config import head_config_for
 
     target = meta_target(config)
@@ -243,7 +245,12 @@ def speculative_cycle(config, batch: int = 1, context: int = 4096, prompt: int |
     b = _ITEMSIZE[dtype]
     e = Estimate()
     e.parts["target weights"] = ts.total * b
-    e.parts["head weights"] = head_parameters(hc) * b
+    head_params = head_parameters(hc)
+    e.parts["head weights"] = head_params * b
+    if "target" in cpu_copies:
+        e.parts["target weight copies (CPU kernels)"] = (sum(ts.layers) + ts.embed + ts.lm_head) * b
+    if "head" in cpu_copies:  # every linear prepacked, and the lm_head as [in, out] for one-row products
+        e.parts["head weight copies (CPU kernels)"] = (head_params + hc.draft_vocab_size * hc.hidden_size) * b
     kv = ts.kv_heads * ts.head_dim
     e.parts["target KV cache"] = len(ts.layers) * 2 * batch * context * kv * b
     e.parts["head KV cache"] = hc.num_layers * 2 * batch * context * hc.num_key_value_heads * hc.head_dim * b
@@ -253,7 +260,11 @@ def speculative_cycle(config, batch: int = 1, context: int = 4096, prompt: int |
         mask = batch * tokens * width * b  # the additive mask of what each new token sees
         return batch * tokens * layer * b + mask + batch * logit_rows * ts.vocab * (b + 4)  # logits and fp32 copy
 
-    prefill = forward(prompt or context, prompt or context, 1)
+    n = prompt or context
+    features = batch * n * len(hc.fused_layer_ids) * ts.hidden * b * 2  # captured layer inputs and their concat
+    q, hkv = hc.num_attention_heads * hc.head_dim, hc.num_key_value_heads * hc.head_dim
+    catch_up = batch * n * (6 * hc.hidden_size + q + 2 * hkv + 3 * hc.intermediate_size) * b  # the head over it
+    prefill = max(forward(n, n, 1) + features, features + catch_up)
     verify = forward(tree_tokens, context, tree_tokens)
     e.parts["forward (transient)"] = max(prefill, verify)
     e.notes.append(f"prefill {prefill / GiB:.2f} GiB, verify of {tree_tokens} tokens {verify / GiB:.2f} GiB")
