@@ -1,8 +1,9 @@
 """Training throughput benchmark: `python benchmarks/bench_train.py [--target smollm2-135m]`.
 
-Times one training step of an EAGLE head:
-  online   = frozen target forward (features + logits) + head forward/backward over all TTT steps + AdamW
-  offline  = lm_head over cached final hidden states + the same head step (features already in memory)
+Times one training step of an EAGLE head, as the trainer runs it:
+  online   = frozen target forward (features, final hidden states) + head forward/backward over all TTT steps
+             (the teacher's logits through the target's own head at the loss rows only) + AdamW
+  offline  = the same head step from cached states (features and final hidden states already in memory)
 and the ratio head forward+backward / target forward on the same tokens (goal: <= 1).
 
 The head's cost depends on how many positions carry loss (the loss skips the rest), so the batch is
@@ -64,7 +65,7 @@ def main(argv: list[str] | None = None) -> None:
 
     from eyas.models import DraftHead, Target, head_config_for
     from eyas.train.config import LossConfig
-    from eyas.train.losses import DistillationLoss
+    from eyas.train.losses import DistillationLoss, target_teacher
 
     target = Target.load(args.target)
     eagle3 = args.head == "eagle3"
@@ -79,31 +80,29 @@ def main(argv: list[str] | None = None) -> None:
     tokens = ids.numel()
 
     def target_forward():
-        return target(ids, padding_mask=mask, layer_ids=config.fused_layer_ids)
+        return target(ids, padding_mask=mask, layer_ids=config.fused_layer_ids, logits=False)
 
     out = target_forward()
     states = out.features if eagle3 else out.hidden
     hidden = out.hidden.to(torch.bfloat16)  # what the offline cache stores
 
     def head_fwd_bwd():
-        loss, _ = model(ids, valid, states, out.logits)
+        loss, _ = model(ids, valid, states, target_teacher(target, out.hidden))
         loss.backward()
         head.zero_grad()
 
-    def head_step(states, logits):
-        loss, _ = model(ids, valid, states, logits)
+    def head_step(states, hidden):
+        loss, _ = model(ids, valid, states, target_teacher(target, hidden))
         loss.backward()
         optimizer.step()
         optimizer.zero_grad()
 
     def online():
         o = target_forward()
-        head_step(o.features if eagle3 else o.hidden, o.logits)
+        head_step(o.features if eagle3 else o.hidden, o.hidden)
 
     def offline():
-        with torch.no_grad():
-            logits = target.logits(hidden.to(target.dtype))
-        head_step(states, logits)
+        head_step(states, hidden)
 
     variants = {"target": target_forward, "head": head_fwd_bwd, "online": online, "offline": offline}
     for fn in variants.values():
@@ -120,7 +119,8 @@ def main(argv: list[str] | None = None) -> None:
           f"{torch.get_num_threads()} threads, median of {args.repeats} interleaved repeats")
     print(f"batch: {described}")
     print(f"target forward            {t['target'] * 1e3:8.0f} ms  {tokens / t['target']:8.0f} tokens/s")
-    print(f"head fwd+bwd (all steps)  {t['head'] * 1e3:8.0f} ms  = {ratio:.2f} x target forward (median per-repeat ratio)")
+    print(f"head fwd+bwd (all steps)  {t['head'] * 1e3:8.0f} ms  = {ratio:.2f} x target forward "
+          "(median per-repeat ratio)")
     print(f"train step online         {t['online'] * 1e3:8.0f} ms  {tokens / t['online']:8.0f} tokens/s")
     print(f"train step offline        {t['offline'] * 1e3:8.0f} ms  {tokens / t['offline']:8.0f} tokens/s")
 

@@ -225,7 +225,7 @@ def _train_step_peak(ctx: Context, config, t: int, precision: str) -> tuple[int,
     (its second half carrying loss) of a zero-weight target of `config`, built inside the measurement."""
     from eyas.models import DraftHead, head_config_for
     from eyas.train.config import LossConfig
-    from eyas.train.losses import DistillationLoss
+    from eyas.train.losses import DistillationLoss, target_teacher
 
     dtype = torch.bfloat16 if precision == "bf16" else torch.float32
     with bench_memory.measured(ctx.device, skip_matmuls=False) as m:
@@ -240,9 +240,8 @@ def _train_step_peak(ctx: Context, config, t: int, precision: str) -> tuple[int,
 
         def step():
             out = target(ids, layer_ids=head.config.fused_layer_ids, logits=False)
-            flat = out.hidden.flatten(0, 1)
             with torch.autocast(ctx.device.type, dtype=torch.bfloat16, enabled=precision == "bf16"):
-                loss, _ = loss_fn(ids, valid, out.features, lambda rows: target.logits(flat.index_select(0, rows)))
+                loss, _ = loss_fn(ids, valid, out.features, target_teacher(target, out.hidden))
             loss.backward()
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)

@@ -155,7 +155,7 @@ def training_step(config, seq_len: int, device, skip_matmuls: bool, ttt_steps: i
     """Measure an offline fp32 training step's peak (its second optimizer step): {peak, fixed, seconds, rss}."""
     from eyas.models import DraftHead, head_config_for
     from eyas.train.config import LossConfig
-    from eyas.train.losses import DistillationLoss
+    from eyas.train.losses import DistillationLoss, target_teacher
 
     rss_before = rss_gib()
     with measured(device, skip_matmuls) as m:
@@ -170,13 +170,8 @@ def training_step(config, seq_len: int, device, skip_matmuls: bool, ttt_steps: i
         h = target.hidden_size
         features = torch.randn(1, seq_len, 3 * h, generator=gen).to(device)
         hidden = torch.randn(1, seq_len, h, generator=gen).to(device)
-        flat = hidden.flatten(0, 1)
-
-        def teacher(rows):
-            return target.logits(flat.index_select(0, rows))
-
         def step():
-            loss, _ = loss_fn(ids, valid, features, teacher)
+            loss, _ = loss_fn(ids, valid, features, target_teacher(target, hidden))
             loss.backward()
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)

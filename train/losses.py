@@ -271,6 +271,17 @@ def _causal_mask(head: DraftHead, b: int, n: int, device: torch.device) -> torch
     return ((i[None, :] <= i[:, None]) & (i[None, :] > i[:, None] - window)).expand(b, n, n)
 
 
+def target_teacher(target, hidden: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The teacher of a batch whose target decoder outputs are `hidden` [B, T, H]: flat rows [n] -> the target's
+    own logits there [n, V] (Target.logits: whatever the model does after its decoder)."""
+    flat = hidden.flatten(0, 1)
+
+    def teacher(rows: torch.Tensor) -> torch.Tensor:
+        return target.logits(flat.index_select(0, rows).to(target.dtype))
+
+    return teacher
+
+
 def _teacher_rows(teacher: Teacher, rows: torch.Tensor, columns: torch.Tensor, vocab: int,
                   device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """The teacher's logits at flat rows `rows` [P] (host): their argmax over the full vocabulary [P] and their

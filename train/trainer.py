@@ -45,7 +45,7 @@ from .data import (
     train_batches,
 )
 from .launch import TRACKERS, LaunchMismatch, check_launch, make_accelerator
-from .losses import DistillationLoss, acceptance
+from .losses import DistillationLoss, acceptance, target_teacher
 from .optim import optimizer_and_schedule
 from .target_sharding import load_target
 
@@ -162,12 +162,7 @@ class Trainer:
                 out = self.target(batch["input_ids"], padding_mask=batch["attention_mask"],
                                   layer_ids=self.head.config.fused_layer_ids, logits=False)
                 hidden, states = out.hidden, out.features if eagle3 else out.hidden
-        flat = hidden.flatten(0, 1)  # [B*T, H]
-
-        def teacher(rows: torch.Tensor) -> torch.Tensor:
-            return self.target.logits(flat.index_select(0, rows).to(self.target.dtype))
-
-        return states, teacher
+        return states, target_teacher(self.target, hidden)
 
     def _forward(self, batch: dict[str, torch.Tensor]):
         states, teacher = self._target_states(batch)
