@@ -65,15 +65,21 @@ class TargetOutput:
 
 
 def _decoder(model: PreTrainedModel) -> nn.Module:
-    """The CausalLM's decoder (the model without its head). get_decoder() returns the CausalLM itself where its
-    base_model_prefix names no attribute (Llama4ForCausalLM): then the one child model that holds the layers."""
-    decoder = model.get_decoder()
-    if decoder is not model:
-        return decoder
-    children = [m for m in model.children() if isinstance(m, PreTrainedModel)]
-    if len(children) != 1:
-        raise Unsupported(f"could not find the decoder of {type(model).__name__}")
-    return children[0]
+    """The CausalLM's decoder: the model without its head, found through get_decoder() down to a module without an
+    lm_head (a multimodal model may hold a whole CausalLM as its language model: Llama 4). Where get_decoder()
+    returns a CausalLM itself (its base_model_prefix names no attribute: Llama4ForCausalLM), the one child model."""
+    decoder = model
+    for _ in range(8):
+        inner = decoder.get_decoder() if hasattr(decoder, "get_decoder") else decoder
+        if inner is decoder:
+            if decoder.get_output_embeddings() is None:
+                return decoder
+            children = [m for m in decoder.children() if isinstance(m, PreTrainedModel)]
+            if len(children) != 1:
+                break
+            inner = children[0]
+        decoder = inner
+    raise Unsupported(f"could not find the decoder of {type(model).__name__}")
 
 
 def _decoder_layers(decoder: nn.Module, n: int) -> nn.ModuleList:
@@ -326,27 +332,36 @@ class Target(nn.Module):
     @torch.no_grad()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Decoder outputs [..., H] -> the model's logits [..., V], computed by the model's own CausalLM forward
-        (its decoder stood in for by the given states), so any post-processing of the logits is the model's."""
+        (the module it calls for its hidden states stood in for by the given states), so any post-processing of
+        the logits is the model's."""
         flat = hidden.reshape(1, -1, hidden.shape[-1])
-        parent, name = self._decoder_slot
-        decoder = parent._modules[name]
-        parent._modules[name] = _Given(flat)
+        owner, name = self._logits_slot
+        body = owner._modules[name]
+        owner._modules[name] = _Given(flat)
         try:
             with cpu_linears([self.logit_projection], flat.shape[1]):
-                out = self.model(input_ids=torch.zeros(flat.shape[:2], dtype=torch.long, device=flat.device),
-                                 use_cache=False, logits_to_keep=0)
+                out = owner(input_ids=torch.zeros(flat.shape[:2], dtype=torch.long, device=flat.device),
+                            use_cache=False, logits_to_keep=0)
         finally:
-            parent._modules[name] = decoder
+            owner._modules[name] = body
         return out.logits.reshape(*hidden.shape[:-1], out.logits.shape[-1])
 
     @cached_property
-    def _decoder_slot(self) -> tuple[nn.Module, str]:
-        """(parent module, attribute) under which the CausalLM holds its decoder."""
-        for parent in self.model.modules():
-            for name, child in parent._modules.items():
-                if child is self.decoder:
-                    return parent, name
-        raise Unsupported(f"{type(self.model).__name__} holds no decoder module that eyas can read the logits after")
+    def _logits_slot(self) -> tuple[nn.Module, str]:
+        """(the CausalLM whose forward applies the lm_head, its attribute holding the decoder or the module around
+        it). On the way from the model to its decoder, the last module that holds the lm_head: the model itself,
+        whose `model` may be a multimodal model (Gemma 3, Mistral 3: it embeds and merges images, then returns the
+        decoder's output as its own), or a CausalLM inside a multimodal model (Llama 4)."""
+        names = {m: n for n, m in self.model.named_modules(remove_duplicate=False)}
+        if self.decoder not in names:
+            raise Unsupported(f"{type(self.model).__name__} holds no decoder that eyas can read the logits after")
+        parts = names[self.decoder].split(".")
+        path = [self.model]
+        for part in parts:
+            path.append(path[-1]._modules[part])
+        owners = [i for i, m in enumerate(path[:-1]) if any(c is self.lm_head for c in m._modules.values())]
+        i = owners[-1] if owners else 0
+        return path[i], parts[i]
 
     # ---- can it verify a tree in one forward? --------------------------------------------------
     def verify_mode(self) -> str:

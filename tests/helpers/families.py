@@ -24,6 +24,9 @@ LLAMA_LIKE = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hi
                   num_key_value_heads=2, head_dim=8, max_position_embeddings=256, tie_word_embeddings=False)
 TOKENS = dict(pad_token_id=1, bos_token_id=2, eos_token_id=3)
 ALTERNATING = ["sliding_attention", "full_attention", "sliding_attention", "full_attention"]
+# a one-layer vision tower for the multimodal families (their image tokens lie outside the text vocabulary)
+SIGLIP = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, image_size=28,
+              patch_size=14)
 
 
 @dataclass(frozen=True)
@@ -39,6 +42,7 @@ class Family:
     # Target.verify_mode(): "chain" where a tree cannot be verified in one forward (positions from the mask: ALiBi;
     # windows by cache column: GPT-Neo), "tree" everywhere else
     verify: str = "tree"
+    text: str | None = None  # a multimodal model: the family of its text decoder (its config's text_config)
     # what its CausalLM does to the logits after the lm_head (the sampling test runs on these), or None
     post_processing: str | None = None
 
@@ -126,6 +130,16 @@ FAMILIES: dict[str, Family] = {
     "llama4-chunked": Family("Llama4TextConfig", "Llama4ForCausalLM", dict(  # chunked + NoPE layers, MoE
         attention_chunk_size=WINDOW, intermediate_size_mlp=64, num_local_experts=2, num_experts_per_tok=1,
         interleave_moe_layer_step=2, num_hidden_layers=4, no_rope_layer_interval=2)),
+    # multimodal CausalLMs (what AutoModelForCausalLM loads for Gemma 3 4B+, Mistral 3, Qwen2.5-VL), text prompts
+    "gemma3-vlm": Family("Gemma3Config", "Gemma3ForConditionalGeneration", dict(
+        vision_config=SIGLIP, mm_tokens_per_image=4, image_token_index=400, boi_token_index=401, eoi_token_index=402),
+        text="gemma3", llama_like=False),  # its forward applies no soft-capping, whatever text_config says
+    "mistral3-vlm": Family("Mistral3Config", "Mistral3ForConditionalGeneration", dict(
+        vision_config=dict(SIGLIP, head_dim=8), image_token_index=400), text="mistral-swa", llama_like=False),
+    "qwen2.5-vl": Family("Qwen2_5_VLConfig", "Qwen2_5_VLForConditionalGeneration", dict(  # multimodal rope sections
+        vision_config=dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=32,
+                           patch_size=14, spatial_merge_size=2, temporal_patch_size=2),
+        image_token_id=400, video_token_id=401, vision_start_token_id=402), text="qwen2-swa", llama_like=False),
     "starcoder2": Family("Starcoder2Config", "Starcoder2ForCausalLM", dict(sliding_window=WINDOW, use_bias=True)),
     "persimmon": Family("PersimmonConfig", "PersimmonForCausalLM", dict(num_key_value_heads=4)),  # qk layernorm
     "codegen": Family("CodeGenConfig", "CodeGenForCausalLM", dict(  # fused qkv, partial rotary, parallel blocks
@@ -163,6 +177,12 @@ POST_PROCESSING = [name for name, f in FAMILIES.items() if f.post_processing]
 def family_config(name: str, **overrides) -> transformers.PretrainedConfig:
     f = FAMILIES[name]
     config_cls = getattr(transformers, f.config)
+    if f.text is not None:
+        text = family_config(f.text, **overrides)
+        if f.text == "qwen2-swa":  # Qwen2.5-VL's text rope is split in sections over (time, height, width)
+            text.rope_parameters = dict(text.rope_parameters, mrope_section=[1, 1, 2])
+        return config_cls(text_config=text.to_dict(), **TOKENS, initializer_range=f.init,
+                          tie_word_embeddings=text.tie_word_embeddings, **f.settings)
     init = "init_std" if hasattr(config_cls, "init_std") else "initializer_range"
     return config_cls(**{**(LLAMA_LIKE if f.llama_like else {}), **TOKENS, init: f.init, **f.settings, **overrides})
 
