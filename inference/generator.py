@@ -342,7 +342,6 @@ class SpeculativeGenerator:
     def _select(self, candidates: Candidates, levels: int, planner: Planner | None) -> DraftTree:
         """Which candidates the target verifies: the planner's count, the fixed total_tokens, or a static tree."""
         if planner is not None:
-            planner.observe_levels(candidates.levels)
             return candidates.best(planner.choose(candidates.scores, levels))
         if self.options.kind == "dynamic" and self._custom_drafter is None:
             return candidates.best(self.options.total_tokens)
@@ -350,12 +349,16 @@ class SpeculativeGenerator:
 
     def _observe(self, planner: Planner, candidates: Candidates, after: torch.Tensor, length: torch.Tensor) -> None:
         """Tell the planner which of the head's candidates (all it drafted, verified or not) spelled the tokens the
-        target produced (after [B, A], left-aligned, length [B])."""
+        target produced (after [B, A], left-aligned, length [B]), and what its levels held: one read of the device."""
         every = candidates.tree()
         on, known = on_continuation(every, after, length)
-        fate = torch.stack([every.scores[:, 1:].float(), on[:, 1:].float(), known[:, 1:].float()]).cpu().numpy()
-        known = fate[2] > 0
-        planner.observe(np.exp(fate[0][known]), fate[1][known] > 0)
+        parts = [every.scores[:, 1:].float(), on[:, 1:].float(), known[:, 1:].float()]
+        parts += [x.float() for level in candidates.levels for x in level]
+        host = torch.cat(parts, 1).cpu().numpy()  # [B, 3M + the levels' widths]
+        pieces = np.split(host, np.cumsum([x.shape[1] for x in parts])[:-1], axis=1)
+        scores, on, known = pieces[0], pieces[1] > 0, pieces[2] > 0
+        planner.observe(np.exp(scores[known]), on[known])
+        planner.observe_levels(list(zip(pieces[3::2], pieces[4::2])))
 
     def _lookup(self, head_nodes: int, index: list[NgramIndex], planner: Planner | None,
                 lookup: int) -> tuple[list[list[int]], list[int]]:

@@ -68,7 +68,7 @@ class Planner:
 
     def __init__(self, costs: CostModel, max_depth: int, top_k: int = 4, decay: float = 0.995, weight: float = 4.0,
                  rate_decay: float = 0.98, max_probe: int = 64, lookup_max: int = 8, lookup_prior: float = 0.5,
-                 max_ngram: int = MAX_NGRAM, margin: float = 0.015, slack: float = 1.0, stall: float = 4.0) -> None:
+                 max_ngram: int = MAX_NGRAM, margin: float = 0.015, slack: float = 0.5, stall: float = 4.0) -> None:
         self.costs = costs
         self.max_depth, self.top_k = max_depth, top_k
         self.decay, self.weight, self.rate_decay, self.max_probe = decay, weight, rate_decay, max_probe
@@ -90,6 +90,7 @@ class Planner:
         self.lookup_prior = lookup_prior
         self.lookup_reached = np.zeros((max_ngram, lookup_max))  # decayed counts per (match length n-1, position)
         self.lookup_passed = np.zeros((max_ngram, lookup_max))
+        self.record: list[dict[str, float]] | None = None  # set to a list to keep every cycle's inputs and times
         self.begin()
 
     # ---- the guard ----------------------------------------------------------------------------
@@ -192,12 +193,12 @@ class Planner:
         return sizes
 
     # ---- learning -----------------------------------------------------------------------------
-    def observe_levels(self, levels: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    def observe_levels(self, levels: Sequence[tuple[np.ndarray, np.ndarray]]) -> None:
         """The levels a draft made below its first: (frontier scores [B, F] of the nodes expanded, scores [B, C] of
         their children), as draft log-probabilities."""
         per_node = self.costs.verify(2, self.context) - self.costs.verify(1, self.context)
         for frontier, children in levels:
-            frontier_conf, children_conf = frontier.float().exp().cpu().numpy(), children.float().exp().cpu().numpy()
+            frontier_conf, children_conf = np.exp(frontier), np.exp(children)
             net = np.maximum(0.0, self.accept_prob(children_conf) - self.rate * per_node).sum(1).mean()
             self.level_earned = self.rate_decay * self.level_earned + float(net)
             self.level_mass = self.rate_decay * self.level_mass + float(self.accept_prob(frontier_conf).sum(1).mean())
@@ -215,6 +216,9 @@ class Planner:
         """One cycle: the draft nodes it verified (head and lookup), the levels the head drafted (0: none),
         tokens gained (mean per row), and its measured seconds: the draft, and the rest of the cycle."""
         c = self.costs
+        if self.record is not None:  # what a replay needs to refit this machine's costs (benchmarks/replay.py)
+            self.record.append(dict(nodes=nodes, levels=levels, catchup=self.catchup, context=self.context,
+                                    tokens=tokens, draft_s=draft_s, rest_s=rest_s))
         surprise = abs(c.observe(nodes, levels, self.catchup, self.context, draft_s, rest_s))
         if not nodes and not levels:  # a plain cycle: re-measured less often while the model keeps agreeing
             self.plain_every = min(2 * self.plain_every, 256) if surprise < 0.1 else 16

@@ -2,11 +2,14 @@
 
 import pytest
 import torch
+from torch.overrides import TorchFunctionMode
 
 from eyas.inference import SpeculativeGenerator, TreeOptions
+from eyas.inference.bench import plain_decode
 from eyas.inference.costs import CostModel
 from eyas.inference.drafter import HeadDrafter
 from eyas.inference.planner import Planner
+from eyas.inference.sampling import Sampling
 from eyas.models.masks import causal
 from tests.helpers.inference import NO_EOS, PROMPTS, Oracle, always_accept_first_child, greedy, make_head
 from tests.helpers.tiny import FIXTURES, tiny_target
@@ -223,3 +226,41 @@ def test_finished_rows_leave_the_batch():
     assert rows_per_forward[0] == 3 and rows_per_forward[-1] == 2
     assert sorted(rows_per_forward, reverse=True) == rows_per_forward
     assert len(res[1].stats.accepted) < len(res[0].stats.accepted)
+
+
+class _DeviceReads(TorchFunctionMode):
+    """Counts the calls that copy a tensor's values to the host: on a GPU, each one waits for the queue."""
+
+    READS = {"tolist", "item", "__bool__", "__int__", "__float__", "__index__", "cpu", "numpy"}
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        self.count += getattr(func, "__name__", "") in self.READS and func.__name__ != "numpy"  # .cpu().numpy(): one
+        return func(*args, **(kwargs or {}))
+
+
+def test_a_cycle_reads_the_device_once_plus_once_per_planning_step():
+    """A plain cycle reads the device once, as plain decoding does per token; a drafting cycle adds one read per
+    level the planner decides on, one for the tree size and one for what its candidates turned out to be."""
+    target = tiny_target("llama")
+    depth = 4
+    gen = SpeculativeGenerator(target, make_head(target), TreeOptions(depth=depth, lookup=0))
+    gen.generate(PROMPTS[0], max_new_tokens=4, **NO_EOS)
+    drafts, inner = [], gen.drafter.draft
+    gen.drafter.draft = lambda *a, **kw: drafts.append(1) or inner(*a, **kw)
+    never = Planner(CostModel(1.0, 0.1, 1.0, 0.05, learn=False), depth, margin=0.0, slack=0.0)
+    cheap = Planner(CostModel(1.0, 0.01, 1.0, 0.001, learn=False), depth, slack=1e9)  # drafting always affordable
+    for planner in (never, cheap):
+        gen.planner = planner
+        drafts.clear()
+        with _DeviceReads() as reads:
+            res = gen.generate(PROMPTS[0], max_new_tokens=30, **NO_EOS)
+        cycles = len(res.stats.accepted)
+        assert (len(drafts) >= 3) if planner is cheap else (not drafts and reads.count == cycles)
+        assert reads.count <= cycles + len(drafts) * (depth - 1 + 2)
+    with _DeviceReads() as reads:
+        plain_decode(target, PROMPTS[0], 30, [], Sampling(), 0)
+    assert reads.count == 30

@@ -117,7 +117,7 @@ def test_planner_stops_drafting_at_a_level_that_cannot_pay():
     # the next level's nodes could at best add what their parents have: here far less than a step costs
     assert not planner.keep_drafting(log(np.full((1, 4), 1e-3)))
     for _ in range(50):  # levels below confident frontiers keep earning nothing: stop at the frontier
-        planner.observe_levels([(log(frontier), log(np.full((1, 16), 1e-3)))])
+        planner.observe_levels([(np.log(frontier), np.log(np.full((1, 16), 1e-3)))])
     assert not planner.keep_drafting(log(frontier))
 
 
