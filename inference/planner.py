@@ -99,7 +99,7 @@ class Planner:
         the head and the machine stays). The prefill is part of what plain decoding would spend as well."""
         self.excess = 0.0  # seconds speculative cycles spent beyond plain decoding of their tokens
         self.plain_equivalent = prefill_s  # seconds plain decoding would have spent on the prompt and every token
-        self.context, self.catchup, self.left = 0, 1, 0.0
+        self.context, self.catchup, self.left, self.levels = 0, 1, 0.0, 1
 
     def allowance(self) -> float:
         """Seconds the next cycle may lose at worst without breaking the guarantee."""
@@ -127,7 +127,7 @@ class Planner:
         intervals that double while drafting keeps not paying; never beyond the guard's allowance; and never
         for long without a plain cycle (`plain_every`, doubling while the cost model predicts them right),
         what the guard measures speculation against."""
-        self.context, self.catchup = context, catchup
+        self.context, self.catchup, self.levels = context, catchup, 1
         self.since_plain += 1
         if self.since_plain > self.plain_every:  # measure plain decoding again: it is what the guard measures against
             self.left = -1.0
@@ -147,7 +147,11 @@ class Planner:
         return True
 
     def keep_drafting(self, frontier_scores: torch.Tensor) -> bool:
-        """Draft one more level? frontier_scores [B, F]: the draft log-probabilities of the nodes it would expand."""
+        """Draft one more level? frontier_scores [B, F]: the draft log-probabilities of the nodes it would expand.
+        Not beyond the guard's allowance: the levels drafted are spent whatever the verify then holds."""
+        self.levels += 1
+        if self.costs.draft(self.levels, self.catchup) > self.left:
+            return False
         mass = float(self.accept_prob(frontier_scores.float().exp().cpu().numpy()).sum(1).mean())
         step = self.costs.draft(2, self.catchup) - self.costs.draft(1, self.catchup)
         return mass * self.level_earned / self.level_mass >= self.rate * step

@@ -111,7 +111,8 @@ def test_planner_drafts_while_it_pays_and_probes_while_it_does_not():
 
 
 def test_planner_stops_drafting_at_a_level_that_cannot_pay():
-    planner = _planner()
+    planner = _planner(slack=100.0)
+    planner.should_draft(200, 1)
     frontier = np.array([[0.9, 0.5, 0.2, 0.1]])
     assert planner.keep_drafting(log(frontier))
     # the next level's nodes could at best add what their parents have: here far less than a step costs
@@ -205,6 +206,11 @@ def test_the_guard_caps_a_cycle_whose_worst_case_the_allowance_cannot_cover():
     # 16 sure nodes would pay (4.4 s for 17 tokens) but risk 3.4 s of an allowance of 2 s, 0.05 s of it drafted:
     # the most nodes whose verify adds at most 1.95 s to a plain step
     assert planner.choose(sure, 1) == 8
+    assert planner.should_draft(200, 1)
+    confident = log(np.full((1, 4), 0.99))
+    assert planner.keep_drafting(confident) and planner.keep_drafting(confident)  # levels 2, 3: 0.15 s drafted
+    planner.left = 0.17  # what remains of the allowance: a fourth level (0.2 s) would overspend it
+    assert not planner.keep_drafting(confident)
     planner.begin()
     planner.excess = 5.0  # this generation has lost more than it may: plain decoding until it earns it back
     assert not planner.should_draft(200, 1)
