@@ -39,6 +39,9 @@ def main() -> int:
     p.add_argument("--floor", type=float, default=0.97, help="the lowest median speedup a question may have")
     p.add_argument("--run-floor", type=float, default=0.95, help="the lowest speedup of any single run")
     p.add_argument("--out", default="runs/never_slower")
+    p.add_argument("--overhead-questions", type=int, default=4, metavar="N",
+                   help="first, on N questions of the first set: the CPU time of a plain cycle (a planner that "
+                   "never drafts) against eyas plain decoding, alternated (0: skip)")
     args = p.parse_args()
 
     import torch
@@ -60,7 +63,10 @@ def main() -> int:
             p.error(f"unknown question set {name!r}: one of {list(SETS)}, or NAME=FILE")
         sets[name] = file or SETS[name]
     heads = {h.partition("=")[0]: h.partition("=")[2] or h for h in args.heads}
-    reports, started = {}, time.perf_counter()
+    started = time.perf_counter()
+    if args.overhead_questions:
+        engine_overhead(target, next(iter(sets.values())), args)
+    reports = {}
     for head_name, head_spec in heads.items():
         for set_name, questions in sets.items():
             path = out / f"{head_name}-{set_name}.json"
@@ -96,6 +102,39 @@ def main() -> int:
     print(f"\ngoal (every question's median >= {args.floor}x, every run >= {args.run_floor}x): {verdict}; "
           f"{(time.perf_counter() - started) / 60:.1f} min; summary: {out / 'summary.json'}")
     return 0 if ok else 1
+
+
+def engine_overhead(target, questions, args: argparse.Namespace) -> None:
+    """What eyas's cycle adds around a plain forward: CPU seconds per token of generation with a planner that never
+    drafts (every cycle plain, lookup off) against plain decoding, on the same prompts, alternated, median of 3."""
+    import statistics
+
+    from replay import load_head
+
+    from eyas.inference import SpeculativeGenerator, TreeOptions
+    from eyas.inference.bench import load_questions, plain_decode, prompt_ids
+    from eyas.inference.costs import CostModel
+    from eyas.inference.planner import Planner
+    from eyas.inference.sampling import Sampling
+
+    gen = SpeculativeGenerator(target, load_head("random", target), TreeOptions(lookup=0))
+    gen.planner = Planner(CostModel(1.0, 0.1, 1.0, 0.05, learn=False), gen.options.depth, margin=0.0, slack=0.0)
+    prompts = [prompt_ids(target, q) for q in load_questions(questions, args.overhead_questions)]
+    n = 64
+    runs = {"plain decoding": lambda ids: plain_decode(target, ids, n, [], Sampling(), 0),
+            "eyas, plain cycles": lambda ids: gen.generate(ids, max_new_tokens=n, eos_token_id=[])}
+    for run in runs.values():
+        run(prompts[0][:16])
+    cpu = {name: [] for name in runs}
+    for r in range(3):
+        for name in (list(runs) if r % 2 == 0 else list(reversed(runs))):
+            t0 = time.process_time()
+            for ids in prompts:
+                runs[name](ids)
+            cpu[name].append((time.process_time() - t0) / (n * len(prompts)))
+    base, cycle = (statistics.median(cpu[name]) for name in runs)
+    print(f"engine overhead: plain decoding {1e3 * base:.2f} ms CPU/token, eyas's plain cycle {1e3 * cycle:.2f} ms: "
+          f"{cycle / base:.3f}x ({len(prompts)} prompts x {n} tokens, median of 3 alternated)", flush=True)
 
 
 if __name__ == "__main__":

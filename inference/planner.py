@@ -68,7 +68,7 @@ class Planner:
 
     def __init__(self, costs: CostModel, max_depth: int, top_k: int = 4, decay: float = 0.995, weight: float = 4.0,
                  rate_decay: float = 0.98, max_probe: int = 64, lookup_max: int = 8, lookup_prior: float = 0.5,
-                 max_ngram: int = MAX_NGRAM, margin: float = 0.015, slack: float = 0.5, stall: float = 4.0) -> None:
+                 max_ngram: int = MAX_NGRAM, margin: float = 0.01, slack: float = 0.5, stall: float = 4.0) -> None:
         self.costs = costs
         self.max_depth, self.top_k = max_depth, top_k
         self.decay, self.weight, self.rate_decay, self.max_probe = decay, weight, rate_decay, max_probe
