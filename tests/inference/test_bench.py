@@ -154,6 +154,20 @@ def test_cli_writes_report_and_prints_table(tmp_path, saved_pair, capsys):
     assert "overall" in out and "writing" in out and str(tmp_path / "r.png") in out
 
 
+def test_cli_repeats_against_eyas_plain_without_generate(tmp_path, saved_pair, capsys):
+    from eyas.inference.cli import main
+
+    q = _write(tmp_path / "q.jsonl", QUESTIONS)
+    args = ["bench", "--target", str(saved_pair[0]), "--head", str(saved_pair[1]), "--questions", str(q),
+            "--out", str(tmp_path / "r.json"), "--max-new-tokens", "4", "--limit", "1", "--repeats", "2"]
+    assert main(args + ["--no-generate"]) == 2  # no reference to compare with
+    assert "--eyas-plain" in capsys.readouterr().err
+    assert main(args + ["--no-generate", "--eyas-plain"]) == 0
+    row = json.loads((tmp_path / "r.json").read_text())["questions"][0]
+    assert len(row["spec_times_s"]) == len(row["eyas_plain_times_s"]) == 2 and "baseline_time_s" not in row
+    assert "median of 2 alternated repeats" in capsys.readouterr().out
+
+
 def test_cli_bad_questions_is_one_clear_line(tmp_path, capsys):
     from eyas.inference.cli import main
 
