@@ -21,7 +21,6 @@ import hashlib
 import json
 import logging
 from dataclasses import dataclass
-from functools import cached_property
 from typing import Sequence
 
 import torch
@@ -41,6 +40,8 @@ DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat1
           "fp16": torch.float16, "float16": torch.float16}
 # transformers' layer types -> the attention kind eyas masks them with (masks.windowed)
 _KINDS = {"full_attention": "full", "sliding_attention": "sliding", "chunked_attention": "chunked"}
+# transformers' cache layer types that hold a state carried from token to token (Mamba, RWKV-like, convolutions)
+_STATEFUL = {"linear_attention", "conv", "mamba", "recurrent", "hybrid", "hybrid_sliding"}
 
 
 def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
@@ -135,6 +136,7 @@ class Target(nn.Module):
         self._fingerprint: str | None = None
         self._kinds: dict[str, Kind] | None = None
         self._verify_mode: str | None = None
+        self._logits_slot: tuple[nn.Module, str] | None = None  # found by the first `logits` call
         self._checking = False
         self.cpu_kernels = cpu_kernels
         self.logit_projection = CpuLinear(self.lm_head, row_copy=True, enabled=cpu_kernels)  # every logit eyas computes
@@ -230,10 +232,12 @@ class Target(nn.Module):
                 kw = {"sliding_window": getattr(config, "sliding_window", None) if layer_type == "sliding_attention"
                       else getattr(config, "attention_chunk_size", None) if layer_type == "chunked_attention" else None}
             if layer_type not in _KINDS:
+                what = ("which carry a recurrent or convolutional state from token to token" if layer_type in _STATEFUL
+                        else "a kind of attention eyas does not mask")
                 raise Unsupported(
-                    f"target {self.name_or_path!r} has {layer_type!r} layers, which carry a recurrent or convolutional "
-                    "state from token to token: eyas verifies drafts over attention layers only (their keys and values "
-                    "are kept per token, so a rejected draft is dropped); use a transformer target")
+                    f"target {self.name_or_path!r} has {layer_type!r} layers, {what}: eyas verifies drafts over full, "
+                    "sliding-window and chunked attention layers only (their keys and values are kept per token, so "
+                    "a rejected draft is dropped)")
             kind = (_KINDS[layer_type], kw.get("sliding_window"))
             if kinds.setdefault(layer_type, kind) != kind:
                 raise Unsupported(f"target {self.name_or_path!r} has {layer_type!r} layers with different windows "
@@ -333,25 +337,15 @@ class Target(nn.Module):
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Decoder outputs [..., H] -> the model's logits [..., V], computed by the model's own CausalLM forward
         (the module it calls for its hidden states stood in for by the given states), so any post-processing of
-        the logits is the model's."""
-        flat = hidden.reshape(1, -1, hidden.shape[-1])
-        owner, name = self._logits_slot
-        body = owner._modules[name]
-        owner._modules[name] = _Given(flat)
-        try:
-            with cpu_linears([self.logit_projection], flat.shape[1]):
-                out = owner(input_ids=torch.zeros(flat.shape[:2], dtype=torch.long, device=flat.device),
-                            use_cache=False, logits_to_keep=0)
-        finally:
-            owner._modules[name] = body
-        return out.logits.reshape(*hidden.shape[:-1], out.logits.shape[-1])
+        the logits is the model's.
 
-    @cached_property
-    def _logits_slot(self) -> tuple[nn.Module, str]:
-        """(the CausalLM whose forward applies the lm_head, its attribute holding the decoder or the module around
-        it). On the way from the model to its decoder, the last module that holds the lm_head: the model itself,
-        whose `model` may be a multimodal model (Gemma 3, Mistral 3: it embeds and merges images, then returns the
-        decoder's output as its own), or a CausalLM inside a multimodal model (Llama 4)."""
+        Which module stands in is found at the first call: on the way from the model to its decoder, the deepest
+        whose stand-in the model's forward runs with. The decoder itself where the CausalLM reaches into its
+        model for it (OPT); a module around it where that module does more first (a multimodal model embeds and
+        merges images before it calls the decoder: Gemma 3, Mistral 3). verify_mode() then checks the logits
+        against the model's own forward."""
+        if self._logits_slot is not None:
+            return self._logits_through(*self._logits_slot, hidden)
         names = {m: n for n, m in self.model.named_modules(remove_duplicate=False)}
         if self.decoder not in names:
             raise Unsupported(f"{type(self.model).__name__} holds no decoder that eyas can read the logits after")
@@ -359,9 +353,28 @@ class Target(nn.Module):
         path = [self.model]
         for part in parts:
             path.append(path[-1]._modules[part])
-        owners = [i for i, m in enumerate(path[:-1]) if any(c is self.lm_head for c in m._modules.values())]
-        i = owners[-1] if owners else 0
-        return path[i], parts[i]
+        for i in reversed(range(len(parts))):
+            try:
+                logits = self._logits_through(path[i], parts[i], hidden)
+            except Exception:  # noqa: BLE001 - the model's forward does not run with this stand-in: the next one out
+                if i == 0:
+                    raise
+                continue
+            self._logits_slot = (path[i], parts[i])
+            return logits
+
+    def _logits_through(self, parent: nn.Module, name: str, hidden: torch.Tensor) -> torch.Tensor:
+        """The model's forward with parent.<name> standing in for hidden [..., H] -> logits [..., V]."""
+        flat = hidden.reshape(1, -1, hidden.shape[-1])
+        body = parent._modules[name]
+        parent._modules[name] = _Given(flat)
+        try:
+            with cpu_linears([self.logit_projection], flat.shape[1]):
+                out = self.model(input_ids=torch.zeros(flat.shape[:2], dtype=torch.long, device=flat.device),
+                                 use_cache=False, logits_to_keep=0)
+        finally:
+            parent._modules[name] = body
+        return out.logits.reshape(*hidden.shape[:-1], out.logits.shape[-1])
 
     # ---- can it verify a tree in one forward? --------------------------------------------------
     def verify_mode(self) -> str:
@@ -388,8 +401,9 @@ class Target(nn.Module):
         gen = torch.Generator().manual_seed(0)
         window = min([k[1] for k in self.attention_kinds().values() if k[1]] or [12])
         n = min(window + 4, 48)
-        rows = [torch.randint(0, self.vocab_size, (n - r,), generator=gen).tolist() for r in range(2)]
-        branches = torch.randint(0, self.vocab_size, (2, 2), generator=gen).tolist()
+        vocab = _safe_vocab(self.vocab_size)
+        rows = [torch.randint(0, vocab, (n - r,), generator=gen).tolist() for r in range(2)]
+        branches = torch.randint(0, vocab, (2, 2), generator=gen).tolist()
         # the tree: the root (each row's last token), a1 a2 and b1 b2 below it (two branches of depth 2)
         parents_depth = [0, 1, 2, 1, 2]
         ancestors = torch.tensor([[1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [1, 1, 1, 0, 0], [1, 0, 0, 1, 0], [1, 0, 0, 1, 1]],
@@ -459,6 +473,12 @@ class Target(nn.Module):
         device, dtype = placement(device, dtype)
         model, tokenizer, name = load_model_and_tokenizer(spec, resolve_dtype(dtype), device, decoder=decoder)
         return cls(model, tokenizer, name, cpu_kernels=cpu_kernels)
+
+
+def _safe_vocab(vocab_size: int) -> int:
+    """Checks draw token ids below this: low ids are ordinary tokens in every tokenizer, where the top of a
+    vocabulary holds special ones (a multimodal model's image token would make its forward expect an image)."""
+    return min(vocab_size, 1000)
 
 
 def _capture(store: dict[int, torch.Tensor], i: int):
