@@ -26,7 +26,6 @@ from dataclasses import dataclass, field
 import torch
 
 GiB = 2**30
-# Bytes of the attention scores a chunk of TTT rows may use (models/ttt.py SCORE_BUDGET), recomputed in backward.
 _ITEMSIZE = {"fp32": 4, "bf16": 2, "fp16": 2}
 
 
@@ -160,7 +159,9 @@ def training_step(config, seq_len: int, batch: int = 1, head_type: str = "eagle3
     if gathered:
         e.parts["target layers gathered"] = gathered * tb
     n_fused = len(hc.fused_layer_ids) if head_type == "eagle3" else 0
-    e.parts["target states (kept)"] = batch * seq_len * ts.hidden * (1 + n_fused) * tb  # features + final hidden
+    # features + final hidden, and the embedding rows of the batch's distinct ids the head reads (losses.py)
+    kept = batch * seq_len * (1 + n_fused) + min(batch * seq_len, ts.vocab)
+    e.parts["target states (kept)"] = kept * ts.hidden * tb
     # ---- the head's persistent state: fp32 master weights, AdamW's two moments (gradients: see below)
     params = head_parameters(hc)
     shard = {"ddp": (1, 1, 1), "zero2": (1, processes, processes), "zero3": (processes,) * 3,

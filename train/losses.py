@@ -39,6 +39,7 @@ the sequence and loss-masked (an assistant token).
 
 from __future__ import annotations
 
+import contextlib
 from typing import Callable, Union
 
 import torch
@@ -321,7 +322,34 @@ class DistillationLoss(nn.Module):
                 target_logits: Teacher) -> tuple[torch.Tensor, Metrics]:
         """target_states: [B, T, H] final hidden (eagle1) or [B, T, F] fused-layer features (eagle3)."""
         fn = eagle3_ttt_loss if self.head.config.head_type == "eagle3" else eagle1_loss
-        return fn(self.head, input_ids, valid, target_states, target_logits, self.config)
+        with batch_embedding(self.head, input_ids):
+            return fn(self.head, input_ids, valid, target_states, target_logits, self.config)
+
+
+class _BatchEmbedding(nn.Module):
+    """The target's embedding rows of one batch's distinct ids, looked up once: every TTT step reads its tokens
+    (all of them ids of the batch, by teacher forcing) from these rows, so a sharded embedding is gathered once per
+    micro-batch, not once per step."""
+
+    def __init__(self, embedding: nn.Module, input_ids: torch.Tensor) -> None:
+        super().__init__()
+        self.ids = torch.unique(input_ids)  # [U] ascending
+        with torch.no_grad():
+            self.rows = embedding(self.ids)  # [U, H]
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.rows[torch.searchsorted(self.ids, ids)]
+
+
+@contextlib.contextmanager
+def batch_embedding(head: DraftHead, input_ids: torch.Tensor):
+    """The head borrows the batch's embedding rows (see _BatchEmbedding) instead of the target's embedding."""
+    embedding = head.shared["embed_tokens"]
+    head.shared["embed_tokens"] = _BatchEmbedding(embedding, input_ids)
+    try:
+        yield
+    finally:
+        head.shared["embed_tokens"] = embedding
 
 
 def acceptance(metrics: dict[str, float]) -> dict[str, float]:

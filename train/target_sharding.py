@@ -7,17 +7,17 @@
   own distributed loading (`DistributedConfig`): the model is built on the meta device, sharded, and each process
   reads only its own shard of every weight from the checkpoint. Each decoder layer is one unit (all-gathered
   around its forward, then freed); the embedding and the lm_head are units that stay whole once gathered
-  (`keep_full_weight`), so the draft head's embedding lookups at every TTT step and the teacher logits' chunks
-  gather nothing. Sharding spans one node (`distributed.shard_group_size`, default the node's processes) and
-  replicates across nodes (HSDP), so the gathers stay on a node's fast links.
+  (`keep_full_weight`), so the teacher logits' chunks gather nothing. Sharding spans one node
+  (`distributed.shard_group_size`, default the node's processes) and replicates across nodes (HSDP), so the
+  gathers stay on a node's fast links.
 - zero3 (DeepSpeed ZeRO-3): the model is built under deepspeed.zero.Init with the target's own config, so each
   weight is partitioned as it is created and rank 0 streams the checkpoint into the partitions one tensor at a
   time (transformers' ZeRO-3 loading); a parameter-only DeepSpeed engine then gathers each module's weights
-  around its forward, as ZeRO-3 inference does. Its embedding and lm_head are marked persistent (DeepSpeed keeps
-  them whole once gathered). Across nodes the forward gathers come from a node-local secondary copy
-  (`zero_hpz_partition_size`, ZeRO++).
-Either way every module keeps its plain call interface (the head borrows the embedding and, for EAGLE-1, the
-lm_head), so nothing downstream knows the target is sharded.
+  around its forward, as ZeRO-3 inference does (also around each call of the lm_head by the teacher's chunks).
+  Across nodes the forward gathers come from a node-local secondary copy (`zero_hpz_partition_size`, ZeRO++).
+Under every placement the draft head reads its tokens' embeddings from rows looked up once per micro-batch
+(losses.batch_embedding), so its TTT steps gather no embedding. Every module keeps its plain call interface
+(the head borrows the embedding and, for EAGLE-1, the lm_head), so nothing downstream knows the target is sharded.
 """
 
 from __future__ import annotations
@@ -65,7 +65,7 @@ def load_target(config, accelerator, log: Callable[[str], None]) -> Target:
     per_rank = acc.gather(torch.tensor([held], device=acc.device)).tolist()
     what = " (decoder layers not loaded: offline)" if offline else ""
     if placement != "replicate":
-        what = f" (sharded over groups of {group} process(es); embedding and lm_head whole once gathered)"
+        what = f" (sharded over groups of {group} process(es))"
     log(f"target placement {placement}: weights held per process {per_rank} of {total}{what}")
     return target
 
@@ -147,9 +147,6 @@ def _zero3_engine(target: Target, ds_config: dict) -> None:
     # The engine installs ZeRO-3's gather/release hooks on every submodule, so `target(...)`,
     # `target.embed_tokens(...)` and `target.lm_head(...)` keep working unchanged.
     deepspeed.initialize(model=target, config=ds_config)
-    for module in (target.embed_tokens, target.lm_head):
-        for p in module.parameters():
-            p.ds_persist = True  # DeepSpeed's own flag: released never, so gathered once
 
 
 def held_parameters(target: Target) -> tuple[int, int]:

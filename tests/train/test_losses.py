@@ -236,3 +236,32 @@ def test_teacher_rows_through_the_targets_own_head_equal_full_logits(head_type):
     assert all(torch.allclose(grads[k], ref_grads[k], rtol=1e-4, atol=1e-7) for k in grads)
     rows = torch.cat(asked)
     assert set(rows.tolist()) == set(valid.flatten().nonzero().squeeze(1).tolist()) - {0, 12, 24}  # index 0: never
+
+
+def test_the_loss_module_embeds_a_batch_once_and_equals_the_loss():
+    """DistillationLoss gives the head the batch's embedding rows, looked up once (a sharded embedding is then
+    gathered once per micro-batch, not once per TTT step): same loss and gradients as the head's own lookups."""
+    from eyas.train.losses import DistillationLoss
+
+    target = tiny_target("llama")
+    torch.manual_seed(0)
+    head = DraftHead(head_config_for(target, "eagle3", draft_vocab_size=64), target)
+    ids = torch.randint(4, 300, (2, 12))
+    out = target(ids, layer_ids=head.config.fused_layer_ids)
+    valid = torch.ones_like(ids, dtype=torch.bool)
+    config = LossConfig(ttt_steps=4)
+    calls = []
+    hook = target.embed_tokens.register_forward_hook(lambda *_: calls.append(1))
+    results = []
+    for fn in (lambda: DistillationLoss(head, config)(ids, valid, out.features, out.logits),
+               lambda: eagle3_ttt_loss(head, ids, valid, out.features, out.logits, config)):
+        head.zero_grad()
+        calls.clear()
+        loss, _ = fn()
+        loss.backward()
+        results.append((loss.detach(), _grads(head), len(calls)))
+    hook.remove()
+    (loss, grads, embedded), (ref_loss, ref_grads, ref_embedded) = results
+    assert embedded == 1 and ref_embedded == 4  # once per batch vs once per TTT step
+    assert torch.allclose(loss, ref_loss) and all(torch.equal(grads[k], ref_grads[k]) for k in grads)
+    assert head.shared["embed_tokens"] is target.embed_tokens  # given back
