@@ -104,7 +104,8 @@ def main(argv: list[str] | None = None) -> None:
               f"a separate pass would add {bare_s:.1f} s)")
     else:
         print(f"feature capture during generation: +{extra:.1f} s for {cap.state_tokens} tokens = "
-              f"{cap.state_tokens / extra:8.1f} feature tokens/s ({cap.state_tokens / extra / bare:.1f}x the bare forward)")
+              f"{cap.state_tokens / extra:8.1f} feature tokens/s "
+              f"({cap.state_tokens / extra / bare:.1f}x the bare forward)")
 
 
 if __name__ == "__main__":

@@ -282,11 +282,12 @@ class Scheduler:
         pos = torch.zeros(len(fill), t, dtype=torch.long)
         seg = torch.full((len(fill), t), -1)  # prompt of each token; padding: -1 (sees itself at least)
         for g, ((b, c), x) in enumerate(zip(place, heads)):
-            ids[b, c: c + len(x)], pos[b, c: c + len(x)], seg[b, c: c + len(x)] = torch.tensor(x, dtype=torch.long), torch.arange(len(x)), g
+            span = slice(c, c + len(x))
+            ids[b, span], pos[b, span], seg[b, span] = torch.tensor(x, dtype=torch.long), torch.arange(len(x)), g
         own = KVCache(self.target.num_layers, len(fill), t, dev)
         allowed = (seg[:, :, None] == seg[:, None, :]) & causal(t)
         out = self.target(ids.to(dev), pos.to(dev), own, allowed.to(dev), layer_ids=self.layer_ids, logits=False)
-        for g, (row, (b, c), x) in enumerate(zip(rows, place, heads)):
+        for row, (b, c), x in zip(rows, place, heads):
             self._load(row, own, b, c, len(x))
             if self.capture and x:
                 self.slots[row].states.append(
@@ -294,8 +295,8 @@ class Scheduler:
 
     def _load(self, row: int, source: KVCache | None, b: int, c: int, n: int) -> None:
         """Row `row` of the cache now holds columns c..c+n of the source's row b (positions 0..n-1)."""
-        keys = [l.keys[b, :, c: c + n] for l in source.layers] if source is not None else []
-        values = [l.values[b, :, c: c + n] for l in source.layers] if source is not None else []
+        layers = source.layers if source is not None else []
+        keys, values = [x.keys[b, :, c: c + n] for x in layers], [x.values[b, :, c: c + n] for x in layers]
         self.cache.load_row(row, keys, values, torch.arange(n, device=self.cache.positions.device))
 
 

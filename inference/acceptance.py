@@ -36,7 +36,8 @@ from .tree import DraftTree, path_to
 Verifier = Callable[[torch.Tensor, DraftTree, Sampling, "torch.Generator | None"], torch.Tensor]
 
 
-def verify(logits: torch.Tensor, tree: DraftTree, s: Sampling, generator: torch.Generator | None = None) -> torch.Tensor:
+def verify(logits: torch.Tensor, tree: DraftTree, s: Sampling,
+           generator: torch.Generator | None = None) -> torch.Tensor:
     """Default verifier: y [B, N] with y ~ p (or argmax p) at every node, independent of the draft."""
     return choose(logits, s, generator)
 

@@ -207,7 +207,8 @@ class Expansion(Protocol):
 
     def children(self, level: int, logq: torch.Tensor, frontier_scores: torch.Tensor
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """logq [B, F, Vd] at the frontier -> (parent index into the frontier, draft id, cumulative score), each [B, C]."""
+        """logq [B, F, Vd] at the frontier -> (parent index into the frontier, draft id, cumulative score), each
+        [B, C]."""
         ...
 
     def frontier(self, level: int, scores: torch.Tensor) -> torch.Tensor:

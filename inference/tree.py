@@ -65,7 +65,8 @@ def ancestor_mask(parents: torch.Tensor, max_depth: int) -> torch.Tensor:
     return anc
 
 
-def on_continuation(tree: DraftTree, continuation: torch.Tensor, length: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def on_continuation(tree: DraftTree, continuation: torch.Tensor,
+                    length: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Which nodes spell the tokens that actually followed the root: (on [B, N], known [B, N]) bool.
 
     continuation [B, L]: row b's first length[b] entries are the tokens after the root, in order. A node is on

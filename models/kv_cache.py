@@ -189,7 +189,8 @@ class KVCache(Cache):
 
     def load_row(self, row: int, keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor],
                  positions: torch.Tensor) -> None:
-        """Replace row `row` with a sequence computed elsewhere: per layer keys/values [kv_heads, n, D], positions [n]."""
+        """Replace row `row` with a sequence computed elsewhere: per layer keys/values [kv_heads, n, D], positions
+        [n]."""
         n = positions.shape[0]
         if n > self.capacity:
             self._reserve(n)

@@ -37,7 +37,8 @@ def test_data_commands(tmp_path, monkeypatch):
     assert len((tmp_path / "regen.jsonl").read_text().splitlines()) == 12
     regen_cached = HiddenStateDataset(tmp_path / "regen-hidden")
     assert len(regen_cached) == 12 and len(regen_cached.index["shards"]) == 3
-    assert regen_cached.layer_ids == list(default_fused_layer_ids(4)) and regen_cached[0]["hidden"].dtype == torch.bfloat16
+    assert regen_cached.layer_ids == list(default_fused_layer_ids(4))
+    assert regen_cached[0]["hidden"].dtype == torch.bfloat16
     ex = tmp_path / "ex"
     assert main(["data", "prepare", "--target", str(target), "--source", str(tmp_path / "regen.jsonl"),
                  "--out", str(ex), "--held-out", "2"]) == 0
@@ -74,7 +75,8 @@ def test_regenerate_ctrl_c_keeps_the_finished_and_a_larger_limit_extends(tmp_pat
     assert len(HiddenStateDataset(tmp_path / "hidden")) == stored  # readable at once
     monkeypatch.setattr(regen.Scheduler, "_choose", pick)
     assert main(args + ["--limit", "12"]) == 0
-    assert len((tmp_path / "regen.jsonl").read_text().splitlines()) == len(HiddenStateDataset(tmp_path / "hidden")) == 12
+    rows = (tmp_path / "regen.jsonl").read_text().splitlines()
+    assert len(rows) == len(HiddenStateDataset(tmp_path / "hidden")) == 12
 
 
 def test_help_does_not_import_torch():

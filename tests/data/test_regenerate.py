@@ -161,7 +161,8 @@ def test_cache_written_while_regenerating_equals_cache_hidden_over_the_output(tm
         n = len(item["input_ids"])
         # The rendering may add template glue after the final end-of-turn token (never generated).
         assert n <= len(want["input_ids"]) <= n + 2
-        assert torch.equal(item["input_ids"], want["input_ids"][:n]) and torch.equal(item["loss_mask"], want["loss_mask"][:n])
+        assert torch.equal(item["input_ids"], want["input_ids"][:n])
+        assert torch.equal(item["loss_mask"], want["loss_mask"][:n])
         assert item["loss_mask"].sum() > 0
         torch.testing.assert_close(item["hidden"], want["hidden"][:n], rtol=1e-4, atol=1e-4)
         torch.testing.assert_close(item["features"], want["features"][:n], rtol=1e-4, atol=1e-4)
@@ -198,7 +199,8 @@ def test_killed_and_resumed_with_cache_equals_uninterrupted(tmp_path):
     want, got = cache_rows(tmp_path / "full", target), cache_rows(tmp_path / "resumed", target)
     assert sorted(got) == sorted(want) == [0, 1, 2, 3, 4, 6]
     for i in want:
-        assert torch.equal(got[i]["input_ids"], want[i]["input_ids"]) and torch.equal(got[i]["loss_mask"], want[i]["loss_mask"])
+        assert torch.equal(got[i]["input_ids"], want[i]["input_ids"])
+        assert torch.equal(got[i]["loss_mask"], want[i]["loss_mask"])
         assert got[i]["hidden"].dtype == torch.bfloat16
         for k in ("hidden", "features"):  # bf16 storage of fp32 states from different batch compositions
             torch.testing.assert_close(got[i][k].float(), want[i][k].float(), rtol=2e-2, atol=2e-2)
@@ -231,7 +233,8 @@ def test_ctrl_c_stores_the_finished_and_a_rerun_with_a_larger_limit_extends(tmp_
     want, got = cache_rows(tmp_path / "full", target), cache_rows(tmp_path / "c", target)
     assert sorted(got) == sorted(want) == [0, 1, 2, 3, 4, 6]
     for i in want:
-        assert torch.equal(got[i]["input_ids"], want[i]["input_ids"]) and torch.equal(got[i]["loss_mask"], want[i]["loss_mask"])
+        assert torch.equal(got[i]["input_ids"], want[i]["input_ids"])
+        assert torch.equal(got[i]["loss_mask"], want[i]["loss_mask"])
         for k in ("hidden", "features"):  # bf16 storage of fp32 states from different batch compositions
             torch.testing.assert_close(got[i][k].float(), want[i][k].float(), rtol=2e-2, atol=2e-2)
 
@@ -252,9 +255,9 @@ def test_a_second_ctrl_c_aborts_at_once(tmp_path):
 def test_too_long_prompts_are_counted_as_skipped():
     target = tiny_target()
     convs = conversations()
-    lengths = [len(target.tokenizer.apply_chat_template(c[: next(i for i, m in enumerate(c) if m["role"] == "assistant")],
-                                                        tokenize=True, add_generation_prompt=True)["input_ids"])
-               for c in convs]
+    prompts = [c[: next(i for i, m in enumerate(c) if m["role"] == "assistant")] for c in convs]
+    lengths = [len(target.tokenizer.apply_chat_template(c, tokenize=True, add_generation_prompt=True)["input_ids"])
+               for c in prompts]
     limit = sorted(lengths)[3]  # the first prompts of the 3 longest-or-equal do not fit
     too_long = sum(n >= limit for n in lengths)
     done = {}

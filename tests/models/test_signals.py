@@ -18,7 +18,8 @@ with GracefulStop(print, "stopping after this step") as stop:
 
 def test_a_second_signal_exits_with_its_status_and_no_traceback():
     for name, status in (("INT", 130), ("TERM", 143)):
-        proc = subprocess.run([sys.executable, "-c", CODE.format(name=name)], capture_output=True, text=True, timeout=60)
+        proc = subprocess.run([sys.executable, "-c", CODE.format(name=name)], capture_output=True, text=True,
+                              timeout=60)
         assert proc.returncode == status, (name, proc.returncode, proc.stderr)
         assert "first handled" in proc.stdout and "never reached" not in proc.stdout
         assert "Traceback" not in proc.stderr and "aborting now" in proc.stdout
