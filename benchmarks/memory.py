@@ -243,8 +243,8 @@ def _status_mib(field: str) -> float:
 
 
 def _load_rank(placement: str, folder: str) -> None:
-    """Load the target in `folder` as one rank of a 2-process gloo group would for `placement`; print what it holds
-    and how much its peak resident memory grew while loading (JSON)."""
+    """Load the target in `folder` as one rank of a 2-process gloo group would for `placement`; report what it holds
+    and how much its peak resident memory grew while loading (JSON, beside the target)."""
     import json
     import os
 
@@ -257,20 +257,20 @@ def _load_rank(placement: str, folder: str) -> None:
     dist.init_process_group("gloo")
     world = dist.get_world_size()
     before = rss_gib() * 1024
-    if placement == "fsdp":
+    if placement == "shard":
         model, tok, name = load_model_and_tokenizer(folder, torch.float32, distributed=ts.fsdp_config(folder, world,
                                                                                                      world))
-    elif placement == "zero3":
-        config = ts.zero3_config({}, torch.float32, 1, world, world)
-        with ts._zero3_construction(config):
-            model, tok, name = load_model_and_tokenizer(folder, torch.float32, device=None)
     else:
         model, tok, name = load_model_and_tokenizer(folder, torch.float32, device="cpu")
     target = Target(model, tok, name)
     held, total = ts.held_parameters(target)
+    with torch.no_grad():  # read what this rank holds (memory-mapped weights become resident only when read)
+        for p in target.parameters():
+            (p.to_local() if hasattr(p, "to_local") else p).float().sum()
     out = {"rank": dist.get_rank(), "held": held * 4, "total": total * 4, "peak_growth": rss_gib() * 1024 - before,
            "anon": _status_mib("RssAnon"), "file": _status_mib("RssFile")}
-    print(json.dumps(out), flush=True)
+    with open(Path(folder) / f"report-{placement}-{dist.get_rank()}.json", "w") as f:  # ranks' stdout interleaves
+        json.dump(out, f)
     dist.barrier()
     dist.destroy_process_group()
     os._exit(0)  # gloo can abort at interpreter exit (see the notes on distributed training on CPU)
@@ -296,14 +296,13 @@ def sharded_load() -> None:
               f"{sum(f.stat().st_size for f in Path(folder).glob('*.safetensors')) / 2**20:.0f} MiB on disk")
         print(f"{'placement':<10} {'rank':>4} {'holds MiB':>10} {'of MiB':>8} {'peak RSS growth':>16} {'anon MiB':>9}"
               f" {'file-backed MiB':>16}")
-        for placement in ("replicate", "fsdp", "zero3"):
+        for placement in ("replicate", "shard"):
             cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
                    str(29500 + os.getpid() % 1000), __file__, "--measure", f"load-{placement}", folder, "cpu", "0", "0"]
             env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1]),
                    "MALLOC_MMAP_THRESHOLD_": "131072"}
             proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
-            rows = sorted((json.loads(x) for x in proc.stdout.splitlines() if x.startswith("{")),
-                          key=lambda r: r["rank"])
+            rows = [json.loads(p.read_text()) for p in sorted(Path(folder).glob(f"report-{placement}-*.json"))]
             if len(rows) != 2:
                 print(f"{placement:<10} failed: {proc.stderr[-1500:]}")
                 continue
@@ -315,8 +314,8 @@ def sharded_load() -> None:
 SETUPS = [  # (label, training_step keyword arguments)
     ("1 GPU", dict(processes=1)),
     ("8 GPUs DDP", dict(processes=8, head_sharding="ddp")),
-    ("8 GPUs FSDP2", dict(processes=8, placement="fsdp", head_sharding="fsdp")),
-    ("8 GPUs ZeRO-3", dict(processes=8, placement="zero3", head_sharding="zero3")),
+    ("8 GPUs FSDP2", dict(processes=8, placement="shard", head_sharding="fsdp")),
+    ("8 GPUs ZeRO-3", dict(processes=8, placement="shard", head_sharding="zero3")),
     ("1 GPU offline", dict(processes=1, offline=True)),
 ]
 
@@ -394,7 +393,7 @@ def main(argv: list[str] | None = None) -> None:
               f"(x{est.total / got['peak']:.3f}), rss growth {got['rss']:.2f} GiB, {got['seconds']:.1f} s")
     print("\npredictions (bf16 target and head autocast, 4096 tokens, batch 1, 7 TTT steps, 32k draft vocab):")
     print(memory.training_step(LLAMA_3_1_8B, 4096).format("Llama-3.1-8B on 1 x 80 GB (target replicated, DDP):"))
-    print(memory.training_step(LLAMA_3_1_70B, 4096, placement="fsdp", processes=8, head_sharding="fsdp").format(
+    print(memory.training_step(LLAMA_3_1_70B, 4096, placement="shard", processes=8, head_sharding="fsdp").format(
         "Llama-3.1-70B on 8 x 80 GB (target FSDP2 over the node, head FSDP):"))
     print(memory.speculative_cycle(LLAMA_3_1_8B, context=4096).format(
         "Llama-3.1-8B speculative generation, one row of 4096 tokens:"))

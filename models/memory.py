@@ -3,8 +3,8 @@
 The target is read from its transformers config (built on the meta device: exact parameter counts for any
 architecture, no weights); the head is the one `head_config_for` derives from it. What is counted:
 
-- training: the target weights this process holds (placement: a whole copy, an FSDP2 / ZeRO-3 shard with the
-  embedding and lm_head whole and one or two layers gathered at a time, or, offline, no decoder layers), the
+- training: the target weights this process holds (placement: a whole copy, an FSDP2 shard with the embedding
+  and lm_head whole and one or two layers gathered at a time, or, offline, no decoder layers), the
   target's outputs the step keeps (fused-layer features, final hidden states) and its forward's largest layer
   temporaries (online); the head's fp32 master weights, gradients and AdamW state (divided over the processes by
   ZeRO/FSDP); the TTT unroll's activations kept for backward, counted tensor by tensor from models/layers.py and
@@ -130,7 +130,7 @@ def training_step(config, seq_len: int, batch: int = 1, head_type: str = "eagle3
                   group: int | None = None, head_sharding: str = "ddp", offline: bool = False) -> Estimate:
     """Peak bytes of one optimizer step (a micro-batch of `batch` sequences of `seq_len` tokens) per process.
 
-    placement: replicate | fsdp | zero3 (the target); group: processes per sharding group (default all);
+    placement: replicate | shard (the target, FSDP2); group: processes per sharding group (default all);
     head_sharding: ddp (whole head; several processes add gradient buckets) | zero2 (optimizer state and gradients
     divided) | zero3 / fsdp (weights too); precision: the head's (bf16 autocast or fp32); offline: the target's
     states come from a cache (no decoder layers, no target forward)."""
@@ -150,10 +150,8 @@ def training_step(config, seq_len: int, batch: int = 1, head_type: str = "eagle3
         held, gathered = whole + ts.other, 0
     elif placement == "replicate":
         held, gathered = ts.total, 0
-    else:  # fsdp / zero3: layers (and the rest) divided over the group; embedding, lm_head whole once gathered
+    else:  # shard (FSDP2): layers (and the rest) divided over the group; embedding and lm_head whole once gathered
         held = whole + (sum(ts.layers) + ts.other) / group
-        if placement == "zero3" and group < processes:
-            held += (sum(ts.layers) + ts.other) / processes  # ZeRO++ hpZ: primary partition over all processes
         gathered = 2 * max(ts.layers)  # the layer running and the one prefetched
     e.parts["target weights"] = held * tb
     if gathered:
@@ -282,7 +280,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch", type=int, default=1, help="sequences per process per micro-batch")
     p.add_argument("--processes", type=int, default=1, help="GPUs (processes) of the run")
     p.add_argument("--group", type=int, default=None, help="processes per sharding group (default: --processes)")
-    p.add_argument("--placement", choices=["replicate", "fsdp", "zero3"], default="replicate")
+    p.add_argument("--placement", choices=["replicate", "shard"], default="replicate",
+                   help="the target: a whole copy per GPU, or sharded over --group GPUs (FSDP2)")
     p.add_argument("--head-sharding", choices=["ddp", "zero2", "zero3", "fsdp"], default="ddp")
     p.add_argument("--precision", choices=["bf16", "fp32"], default="bf16")
     p.add_argument("--draft-vocab", type=int, default=32000)

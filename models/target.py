@@ -170,7 +170,8 @@ class Target(nn.Module):
         return TargetIdentity(self.name_or_path, self.hidden_size, self.vocab_size, self.num_layers, self._fingerprint)
 
     def eos_ids(self) -> list[int]:
-        """The ids that end generation: the generation config's eos ids and the tokenizer's, as `generate` stops."""
+        """The ids that end generation: the generation config's eos ids (where `generate` stops) and the tokenizer's
+        eos token (a chat template's end of turn, where a config names only another id)."""
         ids = getattr(self.model.generation_config, "eos_token_id", None)
         ids = set([ids] if isinstance(ids, int) else ids or [])
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:

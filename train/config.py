@@ -137,9 +137,9 @@ class DistributedConfig:
     expect_processes: int | None = None
     # e.g. NO, MULTI_CPU, MULTI_GPU, DEEPSPEED, FSDP (accelerate's DistributedType names).
     expect_type: str | None = None
-    # The frozen target's weights: auto = sharded across processes under DeepSpeed ZeRO-3 and FSDP, a whole
-    # copy per process otherwise; replicate = always whole (no gathers, fastest when it fits); shard = also
-    # under DDP (torch FSDP2 on the target only).
+    # The frozen target's weights: auto = sharded (torch FSDP2, each process loading only its shard) under
+    # DeepSpeed ZeRO-3 and FSDP, a whole copy per process otherwise; replicate = always whole (no gathers, fastest
+    # when it fits); shard = sharded under DDP and ZeRO-1/2 too.
     target_placement: Literal["auto", "replicate", "shard"] = "auto"
     # Processes per sharding group (null: the processes of one node, LOCAL_WORLD_SIZE): the target (and an FSDP
     # head) is sharded within a group and replicated across groups, so its gathers stay on a node's fast links.

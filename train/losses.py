@@ -338,7 +338,7 @@ class _BatchEmbedding(nn.Module):
             self.rows = embedding(self.ids)  # [U, H]
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return self.rows[torch.searchsorted(self.ids, ids)]
+        return self.rows[torch.searchsorted(self.ids, ids.contiguous())]
 
 
 @contextlib.contextmanager

@@ -20,7 +20,7 @@ def test_placements_and_lengths(config):
         return memory.training_step(config, 1024, precision="fp32", target_dtype="fp32", **kw).total
 
     replicated, offline = total(), total(offline=True)
-    sharded = total(placement="fsdp", processes=8, head_sharding="fsdp")
+    sharded = total(placement="shard", processes=8, head_sharding="fsdp")
     assert offline < replicated and sharded < replicated
     est = memory.training_step(config, 1024, draft_vocab_size=1024)
     target = memory.target_shape(memory.meta_target(config))

@@ -1,5 +1,5 @@
 """One rank of tests/train/test_target_sharding.py (run under torch.distributed.run, gloo): loads a target folder
-sharded as the trainer does, compares it with an unsharded copy and reports which weights are held whole after
+sharded as the trainer does (FSDP2), compares it with an unsharded copy and reports which weights are held whole after
 repeated embedding and lm_head calls. Writes its JSON report to OUT/rank-R.json (stdout interleaves ranks)."""
 
 import json
@@ -10,25 +10,15 @@ import torch
 import torch.distributed as dist
 
 
-def main(placement: str, folder: str, report_dir: str) -> None:
+def main(folder: str, report_dir: str) -> None:
     from eyas.models import Target
     from eyas.models.loading import load_model_and_tokenizer
     from eyas.train import target_sharding as ts
 
     dist.init_process_group("gloo")
     world = dist.get_world_size()
-    if placement == "fsdp":
-        model, tok, name = load_model_and_tokenizer(folder, torch.float32, distributed=ts.fsdp_config(folder, world,
-                                                                                                     world))
-        target = Target(model, tok, name)
-    else:
-        # every weight partitioned, however small (as configs/accelerate/ds_zero3.json does)
-        config = ts.zero3_config({"zero_optimization": {"stage3_param_persistence_threshold": 0}}, torch.float32, 1,
-                                 world, world)
-        with ts._zero3_construction(config):
-            model, tok, name = load_model_and_tokenizer(folder, torch.float32, device=None)
-        target = Target(model, tok, name)
-        ts._zero3_engine(target, config)
+    model, tok, name = load_model_and_tokenizer(folder, torch.float32, distributed=ts.fsdp_config(folder, world, world))
+    target = Target(model, tok, name)
     held, total = ts.held_parameters(target)
     reference = Target.load(folder, device="cpu")
     ids = torch.arange(4, 40).view(2, 18)
@@ -51,14 +41,11 @@ def main(placement: str, folder: str, report_dir: str) -> None:
 
 
 def _whole(p: torch.Tensor) -> bool:
-    """Is this weight held whole right now (gathered and kept), not only this rank's shard?"""
+    """Is this weight held whole right now (gathered and kept), not only this rank's shard? FSDP2 swaps in the
+    unsharded parameter while it is gathered."""
     from torch.distributed.tensor import DTensor
 
-    if hasattr(p, "ds_status"):  # ZeRO-3: whole while AVAILABLE
-        from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
-
-        return p.ds_status == ZeroParamStatus.AVAILABLE
-    return not isinstance(p, DTensor)  # FSDP2 swaps in the unsharded parameter while it is gathered
+    return not isinstance(p, DTensor)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """Two processes under `accelerate launch` (DDP on gloo, DeepSpeed ZeRO-2/3): the run asserts the process
 count and distributed type it got, both ranks end identical and equal to a one-process run with the
-same global batch; the frozen target is sharded (ZeRO-3; FSDP2 via target_placement=shard) and training
-still matches; a one-process checkpoint resumes with two processes (DDP; DeepSpeed through its universal
+same global batch; the frozen target is sharded (FSDP2: under ZeRO-3, and under DDP with target_placement=shard)
+and training still matches; a one-process checkpoint resumes with two processes (DDP; DeepSpeed through its universal
 checkpoint, converted on resume); a wrong launch is refused.
 
 Each test spawns `accelerate launch` (~10-60 s on 2 busy cores); DeepSpeed's first run on a machine
@@ -106,8 +106,8 @@ def test_launch_without_cpu_flag_is_refused(tmp_path):
     assert not checkpoint.list_checkpoints(tmp_path / "run")
 
 
-@pytest.mark.parametrize("kind, placement, expected, head_type", [("deepspeed_zero3", "auto", "zero3", "eagle1"),
-                                                                    ("ddp", "shard", "fsdp", "eagle3")])
+@pytest.mark.parametrize("kind, placement, expected, head_type", [("deepspeed_zero3", "auto", "shard", "eagle1"),
+                                                                    ("ddp", "shard", "shard", "eagle3")])
 def test_sharded_target_holds_part_per_rank_and_matches_one_process(tmp_path, kind, placement, expected, head_type):
     """eagle1 also backpropagates through the target's sharded lm_head; eagle3 reads its sharded layers' inputs."""
     dist_type = LAUNCHES[kind][2]
