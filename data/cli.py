@@ -18,14 +18,22 @@ def register(sub: argparse._SubParsersAction) -> None:
                        "hidden states",
                        description="Data preparation for a given target. Typical order: prepare → vocab "
                        "(EAGLE-3) → train; optionally regenerate first (self-distillation) and cache-hidden "
-                       "(offline hidden states).")
+                       "(offline hidden states).",
+                       epilog="example, a self-distilled EAGLE-3 dataset with its hidden states:\n"
+                       "  eyas data regenerate --target smollm2-135m --source sharegpt \\\n"
+                       "      --out runs/data/selfdistill.jsonl --cache-hidden runs/data/hidden --max-turns 1 "
+                       "--limit 800\n"
+                       "  eyas train --config configs/smollm2-135m-eagle3.yaml data.source=runs/data/selfdistill.jsonl"
+                       " \\\n      data.hidden_states=offline data.cache_dir=runs/data/hidden")
     dsub = p.add_subparsers(dest="data_command", metavar="DATA_COMMAND", required=True)
 
     q = dsub.add_parser("prepare", help="tokenize conversations with the target's chat template, mask, split",
                         description="Render every conversation with the target's chat template; the loss mask "
                         "covers assistant tokens. Conversations longer than --max-length keep their first "
                         "--max-length tokens (skipped if no assistant token is left). Writes OUT/train and "
-                        "OUT/held_out (datasets save_to_disk) and prints how many rows were skipped and why.")
+                        "OUT/held_out (datasets save_to_disk) and prints how many rows were skipped and why.",
+                        epilog="example:\n  eyas data prepare --target smollm2-135m --source sharegpt --out "
+                        "runs/data/sharegpt --limit 2000")
     q.add_argument("--target", required=True, help="target spec (folder, .gguf, hub id or smollm2-135m); only its "
                    "tokenizer is used")
     q.add_argument("--source", default="sharegpt", help=SOURCE_HELP + " (default: sharegpt)")
@@ -45,11 +53,16 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "finished answer's slot is refilled at once). Output: JSONL {id, messages}, readable "
                         "by `eyas data prepare --source`. Resumable: rerun the same command after a kill. Ctrl-C (or "
                         "SIGTERM) stops at the next step, keeps every finished conversation (the cache stays "
-                        "readable) and exits with 130 (143); a second Ctrl-C aborts at once. A larger --limit "
-                        "later extends the output and the cache. With --server, the answers come from a serving "
+                        "readable), says how many answers in flight it dropped (a rerun regenerates them; with "
+                        "--keep-in-flight they are kept instead, cut where they stand) and exits with 130 (143); a "
+                        "second Ctrl-C aborts at once. A larger --limit later extends the output and the cache. "
+                        "With --server, the answers come from a serving "
                         "engine (vLLM, SGLang, TGI, llama.cpp's server: any OpenAI-compatible API) instead; only the "
                         "target's tokenizer is loaded, and hidden states then come from `eyas data cache-hidden` "
-                        "or online training.")
+                        "or online training.",
+                        epilog="example:\n  eyas data regenerate --target smollm2-135m --source sharegpt --out "
+                        "runs/data/selfdistill.jsonl \\\n      --cache-hidden runs/data/hidden --max-turns 1 "
+                        "--max-new-tokens 384 --limit 800 --batch-size 64")
     r.add_argument("--target", required=True, help="target spec (with --server: the served model's folder or hub "
                    "id, for its tokenizer and chat template)")
     r.add_argument("--source", default="sharegpt", help=SOURCE_HELP)
@@ -92,12 +105,18 @@ def register(sub: argparse._SubParsersAction) -> None:
     _cache_options(r, "--cache-dtype")
     r.add_argument("--shard-examples", type=int, default=128,
                    help="conversations per cache shard, held in memory until written (default: 128)")
+    r.add_argument("--keep-in-flight", action="store_true",
+                   help="on Ctrl-C, keep the answers in flight cut where they stand (as an answer cut at "
+                   "--max-new-tokens) instead of dropping them: a stop throws no work away, but a rerun does not "
+                   "lengthen those answers (default: drop them; a rerun regenerates them in full)")
     r.set_defaults(func=_regenerate)
 
     v = dsub.add_parser("vocab", help="build the draft vocabulary (d2t/t2d) from loss-masked token frequencies",
                         description="Count how often each target token is trained on and keep the N most "
                         "frequent as the EAGLE-3 draft vocabulary. Stored with a fingerprint of tokenizer, data "
-                        "and N; an existing file built for something else is rebuilt.")
+                        "and N; an existing file built for something else is rebuilt.",
+                        epilog="example:\n  eyas data vocab --target smollm2-135m --examples runs/data/sharegpt "
+                        "--size 8192 --out runs/data/vocab.safetensors")
     v.add_argument("--target", required=True, help="target spec (only its tokenizer is used)")
     v.add_argument("--examples", required=True, help="folder written by `eyas data prepare` (its train/ split is used)")
     v.add_argument("--size", type=int, default=32000, help="draft vocabulary size N (default: 32000)")
@@ -107,7 +126,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     c = dsub.add_parser("cache-hidden", help="store the target hidden states a head needs as safetensors shards",
                         description="Run the target once over prepared examples and store what the head "
                         "trains on: the final normed hidden state and, for eagle3, the fused layer inputs. "
-                        "Prints the disk size before starting; resumable (rerun after a kill).")
+                        "Prints the disk size before starting; resumable (rerun after a kill).",
+                        epilog="example:\n  eyas data cache-hidden --target smollm2-135m --examples "
+                        "runs/data/sharegpt --out runs/data/hidden")
     c.add_argument("--target", required=True, help="target spec")
     c.add_argument("--examples", required=True, help="folder written by `eyas data prepare`")
     c.add_argument("--split", default="train", choices=["train", "held_out"])
@@ -145,6 +166,13 @@ def _part(text: str) -> tuple[int, int]:
     if not 0 <= k < n:
         raise argparse.ArgumentTypeError(f"part {text}: K must be in 0..N-1")
     return k, n
+
+
+def stop_report(stats) -> str:
+    """What a stop did with the answers in flight (RegenStats): how many it kept cut and how much work it dropped."""
+    cut = (f"kept {stats.cut_by_stop} answers in flight cut where they stood ({stats.cut_by_stop_tokens} tokens), "
+           if stats.cut_by_stop else "")
+    return f"{cut}dropped {stats.dropped} conversations in flight ({stats.dropped_tokens} generated tokens)"
 
 
 def _launch(args: argparse.Namespace) -> tuple[int, int] | None:
@@ -276,7 +304,8 @@ def _regenerate(args: argparse.Namespace) -> int:
     stats = regenerate_jsonl(target, convs, args.out, cfg, args.batch_size,
                              layer_ids=_cache_layers(args, target) if cache and target else None,
                              cache_hidden=args.cache_hidden, cache_dtype=args.cache_dtype,
-                             shard_examples=args.shard_examples, engine=engine, part=part)
+                             shard_examples=args.shard_examples, engine=engine, part=part,
+                             keep_in_flight=args.keep_in_flight)
     skipped = "".join(f"; skipped {n} ({why})" for why, n in sorted(stats.skipped.items()))
     where = args.out if part is None else f"part {part[0]}/{part[1]} of {args.out}"
     print(f"regenerated {stats.conversations} conversations, {stats.useful_tokens} tokens in {stats.seconds:.1f} s: "
@@ -286,6 +315,7 @@ def _regenerate(args: argparse.Namespace) -> int:
               f"({stats.mask_fallbacks} examples masked on their final answer only: re-tokenizing changed them)")
     if stats.stopped_by is not None:
         print(f"stopped early after {stats.conversations} conversations, all stored ({stats.stored} in {args.out} now"
-              f"{', the cache is readable' if cache else ''}); rerun the same command to continue", file=sys.stderr)
+              f"{', the cache is readable' if cache else ''}); {stop_report(stats)}; rerun the same command to "
+              "continue", file=sys.stderr)
         return 128 + stats.stopped_by  # the shell convention for "killed by this signal" (130 for Ctrl-C)
     return 0

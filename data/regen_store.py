@@ -81,7 +81,8 @@ def regenerate_jsonl(target: Target | None, conversations, out: str | Path, cfg:
                      layer_ids: Sequence[int] | None = None, on_done: Callable[[Job], None] = lambda job: None,
                      eos_ids: Sequence[int] | None = None, progress: bool = True,
                      cache_hidden: str | Path | None = None, cache_dtype: str = "bf16", shard_examples: int = 128,
-                     engine: Engine | None = None, part: tuple[int, int] | None = None) -> RegenStats:
+                     engine: Engine | None = None, part: tuple[int, int] | None = None,
+                     keep_in_flight: bool = False) -> RegenStats:
     """Regenerate a canonical conversations dataset (see sources.py) into `out` (JSONL), resumably.
 
     Row ids are the dataset's row indices, so rerunning on the same source continues where a
@@ -100,6 +101,8 @@ def regenerate_jsonl(target: Target | None, conversations, out: str | Path, cfg:
     the finished ones written (a last, smaller shard), the cache marked readable, and the returned
     stats say stopped_by; rerunning continues with the missing ids. A second signal aborts at once
     (exit status 130 / 143; what is on disk stays consistent). The previous handlers are restored.
+    keep_in_flight: the first signal keeps the in-flight conversations too, each answer cut where it stands
+    (regenerate's keep_in_flight; a serving engine's requests in flight are dropped all the same).
 
     engine: generate with it instead of `target` (None then); it captures no states, so no cache_hidden.
 
@@ -120,7 +123,7 @@ def regenerate_jsonl(target: Target | None, conversations, out: str | Path, cfg:
         out = parts / f"{residue}-of-{modulus}.jsonl"
         cache_hidden = None if cache_hidden is None else parts / f"{residue}-of-{modulus}.hidden"
     stats = _regenerate(target, conversations, out, cfg, batch_size, layer_ids, on_done, eos_ids, progress,
-                        cache_hidden, cache_dtype, shard_examples, engine, residue, modulus, skip)
+                        cache_hidden, cache_dtype, shard_examples, engine, residue, modulus, skip, keep_in_flight)
     if part is not None and stats.stopped_by is None:
         (parts / f"{residue}-of-{modulus}.done").touch()
         if merge_parts(final, final_cache, modulus):
@@ -130,7 +133,7 @@ def regenerate_jsonl(target: Target | None, conversations, out: str | Path, cfg:
 
 def _regenerate(target, conversations, out: Path, cfg: RegenConfig, batch_size, layer_ids, on_done, eos_ids,
                 progress, cache_hidden, cache_dtype, shard_examples, engine, residue: int, modulus: int,
-                skip: frozenset[int]) -> RegenStats:
+                skip: frozenset[int], keep_in_flight: bool) -> RegenStats:
     """regenerate_jsonl's work for the ids i % modulus == residue that are not in `skip`."""
     if engine is not None and cache_hidden is not None:
         raise InputError("a serving engine returns text, not target states: regenerate without --cache-hidden, "
@@ -199,11 +202,14 @@ def _regenerate(target, conversations, out: Path, cfg: RegenConfig, batch_size, 
                         flush_shard()
             on_done(job)
 
-        with GracefulStop(tqdm.write, "writing the finished conversations, then stopping") as stop:
+        action = ("keeping the answers in flight cut where they stand" if keep_in_flight and engine is None
+                  else "dropping the answers in flight") + ", writing the finished conversations, then stopping"
+        with GracefulStop(tqdm.write, action) as stop:
             if engine is not None:
                 stats = engine(todo, write, stop)
             else:
-                stats = regenerate(target, todo, cfg, batch_size, layer_ids, write, eos_ids, progress, stop=stop)
+                stats = regenerate(target, todo, cfg, batch_size, layer_ids, write, eos_ids, progress, stop=stop,
+                                   keep_in_flight=keep_in_flight)
             if writer is not None:
                 if buffer:
                     flush_shard()

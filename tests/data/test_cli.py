@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -72,6 +73,7 @@ def test_regenerate_ctrl_c_keeps_the_finished_and_a_larger_limit_extends(tmp_pat
     err = capsys.readouterr().err
     stored = len((tmp_path / "regen.jsonl").read_text().splitlines())
     assert 0 < stored < 8 and f"stopped early after {stored} conversations" in err and "rerun the same command" in err
+    assert re.search(r"dropped [1-9]\d* conversations in flight \([1-9]\d* generated tokens\)", err)  # batch of 4
     assert len(HiddenStateDataset(tmp_path / "hidden")) == stored  # readable at once
     monkeypatch.setattr(regen.Scheduler, "_choose", pick)
     assert main(args + ["--limit", "12"]) == 0

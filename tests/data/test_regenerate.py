@@ -239,6 +239,36 @@ def test_ctrl_c_stores_the_finished_and_a_rerun_with_a_larger_limit_extends(tmp_
             torch.testing.assert_close(got[i][k].float(), want[i][k].float(), rtol=2e-2, atol=2e-2)
 
 
+@pytest.mark.parametrize("keep", [False, True])
+def test_a_stop_drops_or_keeps_the_answers_in_flight_and_counts_them(tmp_path, keep):
+    """Ctrl-C with 3 answers in flight: dropped (counted, a rerun regenerates them) or kept cut where they stood:
+    exactly the uninterrupted run's first tokens, with their states, the cache readable."""
+    target, ds, cfg, kw = _uninterrupted(tmp_path, shard_examples=3)
+    on_done, seen = at_nth_done(1, ctrl_c)
+    stats = regenerate_jsonl(target, ds, tmp_path / "out.jsonl", cfg, cache_hidden=tmp_path / "c", on_done=on_done,
+                             keep_in_flight=keep, **kw)
+    assert stats.stopped_by == signal.SIGINT
+    assert stats.dropped + stats.cut_by_stop == kw["batch_size"]  # every row in flight is accounted for
+    want, got = cache_rows(tmp_path / "full", target), cache_rows(tmp_path / "c", target)
+    assert sorted(got) == sorted(seen) and stats.stored == len(seen)
+    cut = [i for i in got if not torch.equal(got[i]["input_ids"], want[i]["input_ids"])]
+    if not keep:
+        assert not cut and stats.cut_by_stop == 0 and stats.dropped == 3 and stats.dropped_tokens > 0
+        return
+    assert len(cut) == stats.cut_by_stop > 0
+    for i in cut:  # a strict prefix of the full answer, its states those of the same tokens
+        n = len(got[i]["input_ids"])
+        assert n < len(want[i]["input_ids"]) and torch.equal(got[i]["input_ids"], want[i]["input_ids"][:n])
+        assert got[i]["hidden"].shape[0] == n
+        torch.testing.assert_close(got[i]["hidden"].float(), want[i]["hidden"][:n].float(), rtol=2e-2, atol=2e-2)
+    assert stats.cut_by_stop_tokens > 0
+    repeated = []  # a rerun regenerates only what the stop dropped: the cut answers stay as they are
+    regenerate_jsonl(target, ds, tmp_path / "out.jsonl", cfg, cache_hidden=tmp_path / "c",
+                     on_done=lambda job: repeated.append(job.id), **kw)
+    assert sorted(repeated) == sorted(set(want) - set(seen))
+    assert sorted(cache_rows(tmp_path / "c", target)) == sorted(want)
+
+
 def test_a_second_ctrl_c_aborts_at_once(tmp_path):
     target = tiny_target()
     ds = datasets.Dataset.from_dict({"messages": conversations(), "problem": [""] * 7})
