@@ -15,11 +15,35 @@ import sys
 COMMAND_MODULES = ["eyas.data.cli", "eyas.train.cli", "eyas.models.cli", "eyas.inference.commands"]
 
 
+class HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """Epilogs keep their lines (examples); an option's default is shown unless its help already says it or the
+    option has none (unset, a flag)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        unset = any(action.default is x for x in (None, False, argparse.SUPPRESS))
+        if "default" in text or not action.option_strings or unset:
+            return text
+        return text + " (default: %(default)s)"
+
+
+class Parser(argparse.ArgumentParser):
+    """ArgumentParser with eyas's HelpFormatter; subcommand parsers are made of this class too."""
+
+    def __init__(self, *args, formatter_class: type = HelpFormatter, **kwargs) -> None:
+        super().__init__(*args, formatter_class=formatter_class, **kwargs)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog="eyas",
-        description="Train EAGLE-style draft heads for a frozen transformers model and run speculative decoding with them.",
-        epilog="Run `eyas COMMAND --help` for the options of each command.",
+        description="Train EAGLE-style draft heads for a frozen transformers model and run speculative decoding "
+        "with them.",
+        epilog="examples:\n"
+        "  eyas demo --quick       # a smoke run of the whole pipeline in ~10 minutes on 2 CPU cores\n"
+        "  eyas demo               # the main job: self-distil, train, export and benchmark the demo head\n"
+        "  eyas generate --target smollm2-135m --head heads/smollm2-135m-eagle3 --prompt \"Hello!\"\n\n"
+        "Run `eyas COMMAND --help` for what each command does, an example and its options.",
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name in COMMAND_MODULES:

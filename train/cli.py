@@ -24,7 +24,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("train", help="distill a draft head from a frozen target (one process)",
                        description="Train a draft head from a run YAML (configs/*.yaml) with key=value overrides. "
                        "For several processes or GPUs: accelerate launch -m eyas.train --config RUN.yaml",
-                       epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+                       epilog=EPILOG)  # eyas's Parser: examples keep their lines
     add_arguments(p)
     p.set_defaults(func=train_command)
 
