@@ -132,6 +132,7 @@ def run_bench(
     vllm: VllmOptions | None = None,
     repeats: int = 1,
     generate: bool = True,
+    note: str | None = None,
     **tree_options: Any,
 ) -> dict[str, Any]:
     """Benchmark `head` on `target` over `questions`; returns the report (see bench_report.summarize).
@@ -145,6 +146,7 @@ def run_bench(
     repeats: run every question this many times, each runtime once per repeat in alternating order; a row keeps
     every repeat's time and reports the median. generate=False skips transformers generate (then eyas plain
     decoding, which needs eyas_plain, is the reference for exactness).
+    note: a line saying what the run is (a smoke run, say), kept in the settings, shown with the table and plot.
     tree_options go to SpeculativeGenerator.from_pretrained (kind, depth, top_k, total_tokens, paths).
     A Target passed in is used where it is (device) and must already be in `dtype`.
     """
@@ -164,6 +166,8 @@ def run_bench(
                       prompt_lookup, eyas_plain, seed, progress, tree_options, vllm, repeats, generate)
     finally:
         torch.set_num_threads(threads_before)
+    if note:
+        report["settings"]["note"] = note
     if out is not None:
         write_report(report, out)
     return report

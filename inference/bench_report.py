@@ -209,6 +209,8 @@ def format_table(report: dict[str, Any]) -> str:
            for line in lines]
     out.insert(1, "-" * len(out[0]))
     out.insert(len(out) - 1, "-" * len(out[0]))
+    if note := report.get("settings", {}).get("note"):
+        out.insert(0, note)
     repeats = report.get("settings", {}).get("repeats", 1)
     against = "eyas's own plain decoding" if ref == "eyas_plain" else "generate"
     o = report["overall"]
@@ -281,8 +283,9 @@ def write_plot(report: dict[str, Any], path: str | os.PathLike) -> None:
                    f"{100 * o['slower_question_fraction']:.0f}% below 1x")
     ax_q.legend(fontsize=7, ncol=2, loc="upper left")
     st = report.get("settings", {})
+    note = f"\n{st['note']}" if st.get("note") else ""
     fig.suptitle(f"{st.get('target', '')}  {st.get('dtype', '')}  T={st.get('temperature', '')}  "
-                 f"{st.get('max_new_tokens', '')} new tokens", fontsize=9)
+                 f"{st.get('max_new_tokens', '')} new tokens{note}", fontsize=9)
     fig.tight_layout()
     with atomic_file(path, "wb") as f:
         fig.savefig(f, format="png", dpi=120)

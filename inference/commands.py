@@ -4,13 +4,18 @@ from __future__ import annotations
 
 import argparse
 
-from .main_job import SelfDistill  # light: the main job imports torch only when it runs
+from .main_job import FULL, QUICK  # light: the main job imports torch only when it runs
 
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("generate", help="speculative generation from a prompt with a trained head",
                        description="Generate text from --prompt with the target, accelerated by the draft head. "
-                       "Greedy output is token-identical to the target's own; sampling keeps its distribution.")
+                       "Greedy output is token-identical to the target's own; sampling keeps its distribution.",
+                       epilog="examples:\n"
+                       "  eyas generate --target smollm2-135m --head heads/smollm2-135m-eagle3 "
+                       "--prompt \"Name three uses of copper.\" --stats\n"
+                       "  eyas generate --target smollm2-135m --head heads/smollm2-135m-eagle3 --prompt \"def fib(n):\" "
+                       "--raw --temperature 0.7 --seed 1")
     p.add_argument("--prompt", required=True, help="the prompt; sent as a user message through the chat template "
                    "when the tokenizer has one (see --raw)")
     p.add_argument("--raw", action="store_true", help="tokenize --prompt as is, without the chat template")
@@ -19,7 +24,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=_generate)
     p = sub.add_parser("chat", help="interactive chat with streaming speculative generation",
                        description="Chat with the target through its chat template; replies stream as tokens are "
-                       "accepted. Type /reset to forget the conversation, /exit (or Ctrl-D) to quit.")
+                       "accepted. Type /reset to forget the conversation, /exit (or Ctrl-D) to quit.",
+                       epilog="example:\n  eyas chat --target smollm2-135m --head heads/smollm2-135m-eagle3 "
+                       "--system \"You answer in one sentence.\" --stats")
     p.add_argument("--system", default=None, help="optional system message")
     p.add_argument("--stats", action="store_true", help="print acceptance and timing stats after each reply")
     _add_generation_options(p)
@@ -29,7 +36,12 @@ def register(sub: argparse._SubParsersAction) -> None:
                        "against plain transformers generate, interleaved in one process.",
                        epilog="Questions: one JSON object per line, MT-bench / Spec-Bench rows "
                        "({question_id, category, turns}: the first turn goes through the target's chat template) "
-                       "or HumanEval-style rows ({prompt}: used raw). Writes REPORT.json and REPORT.png beside it.")
+                       "or HumanEval-style rows ({prompt}: used raw). Writes REPORT.json and REPORT.png beside it.\n\n"
+                       "examples:\n"
+                       "  eyas bench --target smollm2-135m --head heads/smollm2-135m-eagle3 --per-category 1 "
+                       "--prompt-lookup --out runs/bench/report.json\n"
+                       "  eyas bench --target smollm2-135m --head heads/smollm2-135m-eagle3 --questions my.jsonl "
+                       "--eyas-plain --repeats 3 --out runs/bench/mine.json")
     _add_model_options(p)
     p.add_argument("--questions", default="mt-bench",
                    help="questions: `mt-bench` (the 80 MT-bench questions, shipped with eyas; default) or a .jsonl "
@@ -63,32 +75,58 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--vllm-eager", action="store_true",
                    help="vLLM without torch.compile: its engine starts in seconds instead of minutes, decodes slower")
     p.add_argument("--no-vllm-plain", action="store_true", help="skip vLLM's plain decoding (one engine start less)")
+    p.add_argument("--note", default=None, metavar="TEXT",
+                   help="a line saying what this run is, kept in the report and shown above the table and on the plot")
     p.set_defaults(func=_bench)
-    p = sub.add_parser("demo", help="the main job: self-distil data, train the demo head, export it, benchmark it",
+    p = sub.add_parser("demo", help="the main job: self-distil data, train the demo head, export it, benchmark it "
+                       "(--quick: a smoke run of it in minutes)",
                        description="Have the target answer ShareGPT prompts itself (self-distillation, with the "
                        "hidden states captured while generating), train the demo EAGLE-3 head for "
-                       "SmolLM2-135M-Instruct on them (configs/smollm2-135m-eagle3.yaml), export it, run `eyas bench` on MT-bench and print "
-                       "the table. Each step is the real command (printed as it runs); rerunning resumes every step.")
+                       "SmolLM2-135M-Instruct on them (configs/smollm2-135m-eagle3.yaml), export it, run `eyas bench` "
+                       "on MT-bench and print the table and where the plot is. Each step is the real command (printed "
+                       "as it runs, with its time); rerunning resumes every step. The main job takes hours on a CPU; "
+                       "--quick runs the same steps at smoke-test sizes (~10 minutes on 2 CPU cores, in its own "
+                       "-quick folders) and says, in its output and its report, that it measures nothing.\n\n"
+                       "Stopping: Ctrl-C stops the running step at its next safe point and says how much work it "
+                       "dropped (a second Ctrl-C exits at once); rerun the same command to continue. During "
+                       "regeneration the main job drops the answers in flight (the rerun regenerates them in full); "
+                       "--quick keeps them, cut where they stand, so a stop throws no work away.",
+                       epilog="examples:\n"
+                       "  eyas demo --quick                        # the whole pipeline as a smoke run\n"
+                       "  eyas demo --quick --out /tmp/eyas-quick  # everything it writes under one folder\n"
+                       "  eyas demo --per-category 1               # the main job, one MT-bench question per category\n"
+                       "  eyas demo --distill-conversations 2000 schedule.epochs=3")
+    p.add_argument("--quick", action="store_true",
+                   help=f"a smoke run of the same steps: {QUICK.sizes()}, the draft vocab counted on the "
+                   "training data; the flags below and KEY=VALUE overrides still apply")
     p.add_argument("--questions", default="mt-bench",
                    help="bench questions: `mt-bench` (shipped with eyas; default) or a .jsonl file")
     p.add_argument("--config", default="configs/smollm2-135m-eagle3.yaml", help="training run YAML")
-    p.add_argument("--head-out", default="heads/smollm2-135m-eagle3", help="where the exported head goes")
-    p.add_argument("--report", default=None, help="bench report path (default: <run output_dir>/bench/report.json)")
+    p.add_argument("--out", default=None, metavar="DIR",
+                   help="run folder: self-distilled data, training run, bench report (default: the config's "
+                   "output_dir, + -quick with --quick)")
+    p.add_argument("--head-out", default=None, help="where the exported head goes (default: heads/<config name>, "
+                   "+ -quick with --quick; with --out: DIR/export)")
+    p.add_argument("--report", default=None, help="bench report path (default: <run folder>/bench/report.json)")
     p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"],
                    help="bench dtype (default fp32, where greedy outputs must equal plain generate exactly; "
                    "bf16 is faster on most machines but not bit-identical)")
-    p.add_argument("--limit", type=int, default=None, help="bench only the first N questions")
+    p.add_argument("--limit", type=int, default=None,
+                   help=f"bench only the first N questions (default: all; --quick: {QUICK.limit})")
     p.add_argument("--per-category", type=int, default=None, metavar="N",
-                   help="bench only the first N questions of each category")
-    p.add_argument("--max-new-tokens", type=int, default=256, help="new tokens per question (default 256)")
-    d = SelfDistill()
-    p.add_argument("--distill-source", default=d.source, help=f"prompts to self-distil (default {d.source})")
-    p.add_argument("--distill-conversations", type=int, default=d.conversations, metavar="N",
-                   help=f"answer the first user turn of the first N conversations (default {d.conversations}); "
-                   "0 trains on the config's data.source as it is")
-    p.add_argument("--distill-max-new-tokens", type=int, default=d.max_new_tokens, metavar="N",
-                   help=f"longest self-distilled answer (default {d.max_new_tokens})")
-    p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="training config overrides, e.g. schedule.total_steps=50")
+                   help=f"bench only the first N questions of each category (default: all; --quick: "
+                   f"{QUICK.per_category})")
+    p.add_argument("--max-new-tokens", type=int, default=None,
+                   help=f"new tokens per question (default: {FULL.max_new_tokens}; --quick: {QUICK.max_new_tokens})")
+    d, q = FULL.distill, QUICK.distill
+    p.add_argument("--distill-source", default=None, help=f"prompts to self-distil (default: {d.source})")
+    p.add_argument("--distill-conversations", type=int, default=None, metavar="N",
+                   help=f"answer the first user turn of the first N conversations (default: {d.conversations}; "
+                   f"--quick: {q.conversations}); 0 trains on the config's data.source as it is")
+    p.add_argument("--distill-max-new-tokens", type=int, default=None, metavar="N",
+                   help=f"longest self-distilled answer (default: {d.max_new_tokens}; --quick: {q.max_new_tokens})")
+    p.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
+                   help="training config overrides, e.g. schedule.total_steps=50 (after --quick's own)")
     p.set_defaults(func=_demo)
 
 
@@ -256,16 +294,18 @@ def _bench(args: argparse.Namespace) -> int:
                        dtype=args.dtype, device=args.device, limit=args.limit, per_category=args.per_category,
                        threads=args.threads,
                        prompt_lookup=args.prompt_lookup, eyas_plain=args.eyas_plain, out=args.out, vllm=vllm,
-                       repeats=args.repeats, generate=not args.no_generate, **tree_options(args))
+                       repeats=args.repeats, generate=not args.no_generate, note=args.note, **tree_options(args))
     print(format_table(report))
     print(f"report: {args.out}\nplot:   {Path(args.out).with_suffix('.png')}")
     return 0
 
 
 def _demo(args: argparse.Namespace) -> int:
-    from .main_job import run_main_job
+    from .main_job import plan_with, run_main_job
 
-    distill = SelfDistill(args.distill_source, args.distill_conversations, args.distill_max_new_tokens)
-    return run_main_job(args.config, args.questions, head_out=args.head_out, report=args.report, dtype=args.dtype,
-                        limit=args.limit, per_category=args.per_category, max_new_tokens=args.max_new_tokens,
-                        overrides=args.overrides, distill=distill)
+    plan = plan_with(QUICK if args.quick else FULL, limit=args.limit, per_category=args.per_category,
+                     max_new_tokens=args.max_new_tokens,
+                     distill=dict(source=args.distill_source, conversations=args.distill_conversations,
+                                  max_new_tokens=args.distill_max_new_tokens))
+    return run_main_job(args.config, args.questions, plan, head_out=args.head_out, out=args.out, report=args.report,
+                        dtype=args.dtype, overrides=args.overrides)
