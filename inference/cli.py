@@ -10,14 +10,20 @@ import argparse
 import importlib
 import logging
 import sys
+import textwrap
 
 # (module, subcommands it registers) in the order `eyas --help` lists them.
 COMMAND_MODULES = ["eyas.data.cli", "eyas.train.cli", "eyas.models.cli", "eyas.inference.commands"]
 
 
-class HelpFormatter(argparse.RawDescriptionHelpFormatter):
-    """Epilogs keep their lines (examples); an option's default is shown unless its help already says it or the
-    option has none (unset, a flag)."""
+class HelpFormatter(argparse.HelpFormatter):
+    """Descriptions and epilogs are wrapped line by line, but indented lines (examples) are kept as they are; an
+    option's default is shown unless its help already says it or the option has none (unset, a flag)."""
+
+    def _fill_text(self, text: str, width: int, indent: str) -> str:
+        return "\n".join(indent + line if not line or line[0].isspace()
+                         else textwrap.fill(line, width, initial_indent=indent, subsequent_indent=indent)
+                         for line in text.splitlines())
 
     def _get_help_string(self, action: argparse.Action) -> str:
         text = action.help or ""
