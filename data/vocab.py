@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol, Union
@@ -23,6 +24,8 @@ from transformers import PreTrainedTokenizerBase
 
 from eyas.models.atomic import atomic_file
 from eyas.models.target import tokenizer_fingerprint
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -100,7 +103,7 @@ def build_vocab_map(dataset: Rows, tokenizer: PreTrainedTokenizerBase, draft_voc
         stale = [k for k in parts if stored.parts.get(k) != parts[k]]
         if not stale:
             return stored
-        print(f"vocab map {cache_path} was built for a different {', '.join(stale)}; rebuilding")
+        logger.info("vocab map %s was built for a different %s; rebuilding", cache_path, ", ".join(stale))
     counts = token_counts(dataset, vocab_size)
     order = np.lexsort((np.arange(vocab_size), -counts))  # by count desc, then id asc
     chosen = np.sort(order[:draft_vocab_size])

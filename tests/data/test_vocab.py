@@ -30,17 +30,18 @@ def test_top_n_and_coverage(tmp_path):
     assert head.draft_to_target.tolist() == [11, 12, 13]
 
 
-def test_stale_map_detected(tmp_path, capsys):
+def test_stale_map_detected(tmp_path, caplog):
+    caplog.set_level("INFO", logger="eyas.data.vocab")
     tok = tiny_tokenizer()
     path = tmp_path / "vocab.safetensors"
     first = build_vocab_map(DATA, tok, 3, cache_path=path)
     assert read_vocab_map(path).fingerprint == first.fingerprint
     assert build_vocab_map(DATA, tok, 3, cache_path=path).fingerprint == first.fingerprint  # reused
-    assert "rebuilding" not in capsys.readouterr().out
+    assert "rebuilding" not in caplog.text
 
     other = examples([([20, 21, 21], [1, 1, 1])])
     rebuilt = build_vocab_map(other, tok, 3, cache_path=path)
-    assert "different data" in capsys.readouterr().out
+    assert "different data" in caplog.text
     assert rebuilt.fingerprint != first.fingerprint and 21 in rebuilt.draft_to_target.tolist()
 
     bigger = tiny_tokenizer(vocab_size=400)
