@@ -146,6 +146,19 @@ def _grads(head):
     return {k: p.grad.clone() for k, p in head.named_parameters() if p.grad is not None}
 
 
+def _head_and_states(target, head_type: str, length: int, **head_kw):
+    """A seeded random head over `target` (eagle3: a 64-token draft vocabulary), 3 random sequences of `length`
+    tokens, the target's outputs on them and the states the head reads (eagle3: fused features, eagle1: hidden)."""
+    torch.manual_seed(0)
+    eagle3 = head_type == "eagle3"
+    head = DraftHead(head_config_for(target, head_type, draft_vocab_size=64 if eagle3 else None, **head_kw), target)
+    if eagle3:
+        head.set_vocab_map(torch.arange(0, 128, 2))
+    ids = torch.randint(4, 300, (3, length))
+    out = target(ids, layer_ids=head.config.fused_layer_ids)
+    return head, ids, out, out.features if eagle3 else out.hidden
+
+
 @pytest.mark.parametrize("head_type, arch, layers, window", [
     ("eagle3", "llama", 1, None), ("eagle3", "qwen2", 1, None), ("eagle3", "llama", 2, None),
     ("eagle1", "llama", 1, None), ("eagle1", "qwen2", 1, None),
@@ -157,16 +170,8 @@ def test_optimised_loss_and_gradients_equal_the_reference(head_type, arch, layer
     (trimmed), step-0 rows that only leave keys/values, and one row without any loss. With two
     layers the first one must still run at every index (the second reads its keys/values)."""
     target = tiny_target(arch)
-    torch.manual_seed(0)
     eagle3 = head_type == "eagle3"
-    config = head_config_for(target, head_type, draft_vocab_size=64 if eagle3 else None, num_layers=layers,
-                             sliding_window=window)
-    head = DraftHead(config, target)
-    if eagle3:
-        head.set_vocab_map(torch.arange(0, 128, 2))
-    ids = torch.randint(4, 300, (3, 14))
-    out = target(ids, layer_ids=head.config.fused_layer_ids)
-    states = out.features if eagle3 else out.hidden
+    head, ids, out, states = _head_and_states(target, head_type, 14, num_layers=layers, sliding_window=window)
     valid = torch.zeros_like(ids, dtype=torch.bool)
     valid[0, 3:7] = valid[0, 10:12] = True  # two assistant turns
     valid[1, 5:9] = True  # then padding
@@ -207,14 +212,8 @@ def test_teacher_rows_through_the_targets_own_head_equal_full_logits(head_type):
     """The trainer's teacher (the target's logits of chosen hidden rows, `Target.logits`) gives the loss, metrics
     and gradients of the full [B, T, V] logits, and is asked only for rows that carry loss."""
     target = tiny_target("llama")
-    torch.manual_seed(0)
     eagle3 = head_type == "eagle3"
-    head = DraftHead(head_config_for(target, head_type, draft_vocab_size=64 if eagle3 else None), target)
-    if eagle3:
-        head.set_vocab_map(torch.arange(0, 128, 2))
-    ids = torch.randint(4, 300, (3, 12))
-    out = target(ids, layer_ids=head.config.fused_layer_ids)
-    states = out.features if eagle3 else out.hidden
+    head, ids, out, states = _head_and_states(target, head_type, 12)
     valid = torch.zeros_like(ids, dtype=torch.bool)
     valid[0, 2:6] = valid[1, 7:] = True
     asked = []
