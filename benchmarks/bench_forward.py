@@ -57,7 +57,7 @@ def main(argv: list[str] | None = None) -> None:
     def hf(ids, pos) -> Callable[[], object]:
         def run():
             target.model(input_ids=ids, position_ids=pos, cache=hf_cache, use_cache=True)
-            hf_cache.crop(args.context)
+            hf_cache.crop(-ids.shape[1])  # transformers 5 crops by tokens removed, not by the length kept
         return run
 
     rows = []

@@ -282,7 +282,9 @@ def main() -> None:
     r.set_defaults(func=record)
     q = sub.add_parser("run", help="replay planner variants on recordings")
     q.add_argument("recordings", nargs="+")
-    q.add_argument("--variants", nargs="*", choices=list(VARIANTS), help=f"default: all of {list(VARIANTS)}")
+    # argparse %-formats help texts, and variant names hold "%"
+    q.add_argument("--variants", nargs="*", choices=list(VARIANTS),
+                   help=f"default: all of {list(VARIANTS)}".replace("%", "%%"))
     q.add_argument("--per-question", action="store_true", help="also print every question's speedup")
     q.set_defaults(func=run)
     args = p.parse_args()
