@@ -147,7 +147,10 @@ class Scheduler:
         self.feed = [0] * rows
         self.ending = [False] * rows
         self.stats = RegenStats()
+        # Counts the conversations that get an answer (skipped ones leave the total), so the rate and ETA are those
+        # of generating; the postfix, refreshed every second, shows tokens/s between finished conversations.
         self.bar = tqdm(total=len(self.queue), unit="conv", desc="regenerating", disable=not progress)
+        self.shown = 0.0
 
     def run(self) -> RegenStats:
         start = self.start = time.perf_counter()
@@ -170,6 +173,7 @@ class Scheduler:
                 self.slots = [self.slots[r] for r in order]
                 self.feed, self.ending = [self.feed[r] for r in order], [self.ending[r] for r in order]
             self._step()
+            self._show()
         self.stats.seconds = time.perf_counter() - start
         self.bar.close()
         return self.stats
@@ -272,10 +276,20 @@ class Scheduler:
 
     def _finish_conversation(self, job: Job, too_long: bool) -> None:
         finish_conversation(job, too_long, self.stats)
-        self.bar.set_postfix_str(f"{self.stats.useful_tokens / (time.perf_counter() - self.start):.0f} tok/s",
-                                 refresh=False)
-        self.bar.update(1)
+        if job.turns_done:
+            self.bar.update(1)
+        else:
+            self.bar.total -= 1
+        self._show(force=True)
         self.on_done(job)
+
+    def _show(self, force: bool = False) -> None:
+        """Refresh the bar's tokens/s (answers in flight included) at most once a second unless forced."""
+        now = time.perf_counter()
+        if force or now - self.shown >= 1.0:
+            tokens = self.stats.useful_tokens + sum(len(j.generated) for j in self.slots if j is not None)
+            self.bar.set_postfix_str(f"{tokens / max(now - self.start, 1e-9):.0f} tok/s")
+            self.shown = now
 
     def _prefill(self, rows: list[int], prompts: list[list[int]]) -> None:
         """Every prompt but its last token, packed together, copied into its row; the last token is the row's next feed.
