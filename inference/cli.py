@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
+import os
 import sys
 import textwrap
 
@@ -51,6 +52,8 @@ def build_parser() -> argparse.ArgumentParser:
         "  eyas generate --target smollm2-135m --head heads/smollm2-135m-eagle3 --prompt \"Hello!\"\n\n"
         "Run `eyas COMMAND --help` for what each command does, an example and its options.",
     )
+    parser.add_argument("--debug", action="store_true",
+                        help="show the traceback of an expected error too (also: EYAS_DEBUG=1)")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name in COMMAND_MODULES:
         importlib.import_module(name).register(sub)
@@ -71,8 +74,11 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         return int(args.func(args) or 0)
-    except (EyasError, ValueError, FileNotFoundError) as e:
-        # Bad input gets one clear line, not a traceback; bugs still raise.
+    except EyasError as e:  # bad input: one clear line; anything else is a bug and keeps its traceback
+        if args.debug or os.environ.get("EYAS_DEBUG", "") not in ("", "0"):
+            import traceback
+
+            traceback.print_exc()
         print(f"eyas {args.command}: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:  # Ctrl-C outside the commands that stop gracefully (loading, say)
