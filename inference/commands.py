@@ -4,6 +4,17 @@ from __future__ import annotations
 
 import argparse
 
+from eyas.models.arguments import (
+    int_or_auto,
+    non_negative,
+    nucleus,
+    positive,
+    positive_float,
+    probability,
+    temperature,
+    tree_paths,
+)
+
 from .main_job import FULL, QUICK  # light: the main job imports torch only when it runs
 
 
@@ -49,17 +60,17 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--out", required=True, help="report .json path; the plot goes beside it as .png")
     _add_sampling_options(p)
     p.add_argument("--seed", type=int, default=0, help="sampling seed; question i uses seed+i on both sides")
-    p.add_argument("--limit", type=int, default=None, help="only the first N questions")
-    p.add_argument("--per-category", type=int, default=None, metavar="N",
+    p.add_argument("--limit", type=non_negative, default=None, help="only the first N questions")
+    p.add_argument("--per-category", type=positive, default=None, metavar="N",
                    help="only the first N questions of each category (MT-bench: --per-category 1 = 8 questions)")
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
-    p.add_argument("--prompt-lookup", type=int, nargs="?", const=10, default=None, metavar="N",
+    p.add_argument("--threads", type=positive, default=None, help="torch CPU threads (default: torch's choice)")
+    p.add_argument("--prompt-lookup", type=positive, nargs="?", const=10, default=None, metavar="N",
                    help="also run transformers prompt-lookup decoding with N candidate tokens (default N=10)")
     p.add_argument("--eyas-plain", action="store_true",
                    help="also time plain one-token decoding through eyas's Target: separates what its faster "
                    "logits give from what speculation gives, and is the reference of the per-question speedups "
                    "(worst, p10, share slower)")
-    p.add_argument("--repeats", type=int, default=1, metavar="N",
+    p.add_argument("--repeats", type=positive, default=1, metavar="N",
                    help="run every question N times, the runtimes in alternating order each time; per question the "
                    "median time counts, and the worst single run is reported too (default 1)")
     p.add_argument("--no-generate", action="store_true",
@@ -70,7 +81,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                    "installed in its own environment (docs/runtimes.md); its tau, acceptance and tok/s join the report")
     p.add_argument("--vllm-python", default=None, metavar="PYTHON",
                    help="python of the environment vLLM is installed in (default: $EYAS_VLLM_PYTHON)")
-    p.add_argument("--vllm-draft-tokens", type=int, default=5, metavar="K",
+    p.add_argument("--vllm-draft-tokens", type=positive, default=5, metavar="K",
                    help="vLLM drafts a chain of K tokens per step (default: 5)")
     p.add_argument("--vllm-eager", action="store_true",
                    help="vLLM without torch.compile: its engine starts in seconds instead of minutes, decodes slower")
@@ -111,19 +122,19 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"],
                    help="bench dtype (default fp32, where greedy outputs must equal plain generate exactly; "
                    "bf16 is faster on most machines but not bit-identical)")
-    p.add_argument("--limit", type=int, default=None,
+    p.add_argument("--limit", type=non_negative, default=None,
                    help=f"bench only the first N questions (default: all; --quick: {QUICK.limit})")
-    p.add_argument("--per-category", type=int, default=None, metavar="N",
+    p.add_argument("--per-category", type=positive, default=None, metavar="N",
                    help=f"bench only the first N questions of each category (default: all; --quick: "
                    f"{QUICK.per_category})")
-    p.add_argument("--max-new-tokens", type=int, default=None,
+    p.add_argument("--max-new-tokens", type=positive, default=None,
                    help=f"new tokens per question (default: {FULL.max_new_tokens}; --quick: {QUICK.max_new_tokens})")
     d, q = FULL.distill, QUICK.distill
     p.add_argument("--distill-source", default=None, help=f"prompts to self-distil (default: {d.source})")
-    p.add_argument("--distill-conversations", type=int, default=None, metavar="N",
+    p.add_argument("--distill-conversations", type=non_negative, default=None, metavar="N",
                    help=f"answer the first user turn of the first N conversations (default: {d.conversations}; "
                    f"--quick: {q.conversations}); 0 trains on the config's data.source as it is")
-    p.add_argument("--distill-max-new-tokens", type=int, default=None, metavar="N",
+    p.add_argument("--distill-max-new-tokens", type=positive, default=None, metavar="N",
                    help=f"longest self-distilled answer (default: {d.max_new_tokens}; --quick: {q.max_new_tokens})")
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
                    help="training config overrides, e.g. schedule.total_steps=50 (after --quick's own)")
@@ -133,8 +144,9 @@ def register(sub: argparse._SubParsersAction) -> None:
 def _add_generation_options(p: argparse.ArgumentParser) -> None:
     _add_model_options(p)
     _add_sampling_options(p)
-    p.add_argument("--min-p", type=float, default=None, help="sampling min-p, 0 = off (default: generation_config)")
-    p.add_argument("--repetition-penalty", type=float, default=None,
+    p.add_argument("--min-p", type=probability, default=None,
+                   help="sampling min-p, 0 = off (default: generation_config)")
+    p.add_argument("--repetition-penalty", type=positive_float, default=None,
                    help="1 = off, > 1 discourages repeats (default: generation_config, which some models set)")
     p.add_argument("--seed", type=int, default=None, help="sampling seed (default: not seeded)")
     p.add_argument("--stop", action="append", default=None, metavar="TEXT", help="stop string (repeatable)")
@@ -159,11 +171,13 @@ def _placement(args: argparse.Namespace) -> None:
 
 
 def _add_sampling_options(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--max-new-tokens", type=int, default=256, help="new tokens per reply (default 256)")
-    p.add_argument("--temperature", type=float, default=None,
+    p.add_argument("--max-new-tokens", type=positive, default=256, help="new tokens per reply (default 256)")
+    p.add_argument("--temperature", type=temperature, default=None,
                    help="0 = greedy, >0 samples (default: the target's generation_config, as `model.generate` uses it)")
-    p.add_argument("--top-p", type=float, default=None, help="nucleus sampling threshold (default: generation_config)")
-    p.add_argument("--top-k", type=int, default=None, help="sampling top-k, 0 = off (default: generation_config)")
+    p.add_argument("--top-p", type=nucleus, default=None,
+                   help="nucleus sampling threshold (default: generation_config)")
+    p.add_argument("--top-k", type=non_negative, default=None,
+                   help="sampling top-k, 0 = off (default: generation_config)")
 
 
 def _load_generator(args: argparse.Namespace):
@@ -215,7 +229,9 @@ def _generate(args: argparse.Namespace) -> int:
 def _chat(args: argparse.Namespace) -> int:
     gen = _load_generator(args)
     if not getattr(gen.target.tokenizer, "chat_template", None):
-        raise ValueError(f"target {args.target!r} has no chat template; use `eyas generate --raw` instead")
+        from eyas.models.errors import InputError
+
+        raise InputError(f"target {args.target!r} has no chat template; use `eyas generate --raw` instead")
     start = [{"role": "system", "content": args.system}] if args.system else []
     messages = list(start)
     while True:
@@ -240,34 +256,22 @@ def add_tree_options(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("draft tree")
     g.add_argument("--tree", dest="tree_kind", choices=["dynamic", "static", "chain"], default=None,
                    help="tree shape: dynamic (expand the likeliest nodes), static (fixed --paths) or chain")
-    g.add_argument("--depth", type=int, default=None,
+    g.add_argument("--depth", type=positive, default=None,
                    help="draft steps per cycle; with --total-tokens auto the most the tuner may pick (default 6)")
-    g.add_argument("--tree-top-k", type=int, default=None, help="children considered per node (dynamic tree)")
-    g.add_argument("--total-tokens", type=_int_or_auto, default=None,
+    g.add_argument("--tree-top-k", type=positive, default=None, help="children considered per node (dynamic tree)")
+    g.add_argument("--total-tokens", type=int_or_auto, default=None,
                    help="draft tokens verified per cycle (dynamic tree), or `auto` (default): time this machine's "
                    "target forwards and one draft, then pick the depth and size with the most expected tokens/s")
-    g.add_argument("--paths", default=None, help='static tree as JSON paths, e.g. "[[0],[1],[0,0]]"')
-    g.add_argument("--lookup", type=int, default=None, metavar="N",
+    g.add_argument("--paths", type=tree_paths, default=None, help='static tree as JSON paths, e.g. "[[0],[1],[0,0]]"')
+    g.add_argument("--lookup", type=non_negative, default=None, metavar="N",
                    help="graft up to N n-gram lookup tokens (text repeated from the prompt or output) onto each "
                    "tree as one more branch; with --total-tokens auto fewer when they are not being accepted "
                    "(default 8, 0 = off)")
 
 
-def _int_or_auto(value: str) -> int | str:
-    if value == "auto":
-        return value
-    try:
-        return int(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer or `auto`, got {value!r}") from None
-
-
 def tree_options(args: argparse.Namespace) -> dict:
-    import json
-
     opts = {"kind": args.tree_kind, "depth": args.depth, "top_k": args.tree_top_k,
-            "total_tokens": args.total_tokens,
-            "paths": json.loads(args.paths) if args.paths else None, "lookup": args.lookup}
+            "total_tokens": args.total_tokens, "paths": args.paths, "lookup": args.lookup}
     return {k: v for k, v in opts.items() if v is not None}
 
 
