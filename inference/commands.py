@@ -11,7 +11,7 @@ from eyas.models.arguments import (
     positive,
     positive_float,
     probability,
-    temperature,
+    non_negative_float,
     tree_paths,
 )
 
@@ -172,7 +172,7 @@ def _placement(args: argparse.Namespace) -> None:
 
 def _add_sampling_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-new-tokens", type=positive, default=256, help="new tokens per reply (default 256)")
-    p.add_argument("--temperature", type=temperature, default=None,
+    p.add_argument("--temperature", type=non_negative_float, default=None,
                    help="0 = greedy, >0 samples (default: the target's generation_config, as `model.generate` uses it)")
     p.add_argument("--top-p", type=nucleus, default=None,
                    help="nucleus sampling threshold (default: generation_config)")

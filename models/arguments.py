@@ -39,7 +39,7 @@ def ranged(kind: type = int, low: float | None = None, high: float | None = None
 
 positive = ranged(int, 1)  # counts: tokens, rows, threads, steps
 non_negative = ranged(int, 0)  # limits where 0 means none, seeds
-temperature = ranged(float, 0)
+non_negative_float = ranged(float, 0)  # temperatures, held-out fractions
 probability = ranged(float, 0, 1)  # min-p
 nucleus = ranged(float, 0, 1, low_open=True)  # top-p: 0 would keep nothing
 positive_float = ranged(float, 0, low_open=True)  # penalties, timeouts
@@ -82,3 +82,10 @@ def tree_paths(value: str) -> list[list[int]]:
     if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for p in paths for i in p):
         raise argparse.ArgumentTypeError(f"child ranks must be non-negative integers, {example}")
     return paths
+
+
+def http_url(value: str) -> str:
+    """A server address, e.g. http://localhost:8000/v1."""
+    if not value.startswith(("http://", "https://")) or " " in value:
+        raise argparse.ArgumentTypeError(f"expected a URL like http://localhost:8000/v1, got {value!r}")
+    return value
