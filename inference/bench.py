@@ -24,6 +24,7 @@ from eyas.data.chat_template import encode_prompt
 from eyas.models import DraftHead, Target
 from eyas.models.atomic import atomic_file
 from eyas.models.errors import InputError, MissingInput
+from eyas.models.signals import GracefulStop
 
 from .bench_report import format_table, summarize, write_plot
 from .runtimes_vllm import VllmOptions
@@ -147,6 +148,8 @@ def run_bench(
     every repeat's time and reports the median. generate=False skips transformers generate (then eyas plain
     decoding, which needs eyas_plain, is the reference for exactness).
     note: a line saying what the run is (a smoke run, say), kept in the settings, shown with the table and plot.
+    A first SIGINT/SIGTERM ends the run after the question in hand: the report covers the questions done and its
+    settings say `stopped` (the signal, the questions done and left); vLLM's runs are then skipped.
     tree_options go to SpeculativeGenerator.from_pretrained (kind, depth, top_k, total_tokens, paths).
     A Target passed in is used where it is (device) and must already be in `dtype`.
     """
@@ -231,22 +234,30 @@ def _run(target, head, questions: list[Question], max_new_tokens: int, temperatu
 
     rows, references = [], []
     bar = tqdm(questions, desc="bench", unit="q", disable=not progress)
-    for i, q in enumerate(bar):
-        ids = prompt_ids(target, q)
-        times: dict[str, list[float]] = {name: [] for name in runtimes}
-        results: dict[str, list[Any]] = {name: [] for name in runtimes}
-        for r in range(repeats):
-            order = list(runtimes) if (i + r) % 2 == 0 else list(reversed(runtimes))  # alternate who runs first
-            for name in order:
-                result, seconds = runtimes[name](ids, max_new_tokens, seed + i)
-                results[name].append(result)
-                times[name].append(seconds)
-        rows.append(_row(q, ids, results, times, sampling, gen.head))
-        references.append(_tokens(results["baseline" if generate else "eyas_plain"][0]))
-        bar.set_postfix_str(_running(rows))
+    # A first Ctrl-C ends the run after the question in hand and reports the questions done (a second one aborts
+    # at once, writing nothing).
+    stop = GracefulStop(tqdm.write, "finishing this question, then reporting the questions done")
+    with stop:
+        for i, q in enumerate(bar):
+            if stop:
+                break
+            ids = prompt_ids(target, q)
+            times: dict[str, list[float]] = {name: [] for name in runtimes}
+            results: dict[str, list[Any]] = {name: [] for name in runtimes}
+            for r in range(repeats):
+                order = list(runtimes) if (i + r) % 2 == 0 else list(reversed(runtimes))  # alternate who runs first
+                for name in order:
+                    result, seconds = runtimes[name](ids, max_new_tokens, seed + i)
+                    results[name].append(result)
+                    times[name].append(seconds)
+            rows.append(_row(q, ids, results, times, sampling, gen.head))
+            references.append(_tokens(results["baseline" if generate else "eyas_plain"][0]))
+            bar.set_postfix_str(_running(rows))
+    bar.close()
+    stopped = {"signal": stop.signum, "questions_done": len(rows), "questions_left": len(questions) - len(rows)}
 
     vllm_info = None
-    if vllm is not None:  # one engine for all questions (its start compiles for minutes), after eyas's runs
+    if vllm is not None and not stop:  # one engine for all questions (its start compiles for minutes), after eyas
         runs_as = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
         extra, vllm_info = vllm.bench(target, gen.head if isinstance(head, DraftHead) else head,
                                       [prompt_ids(target, q) for q in questions], runs_as, eos, dtype,
@@ -260,7 +271,8 @@ def _run(target, head, questions: list[Question], max_new_tokens: int, temperatu
     report = {"settings": settings(target, head, tree=tree, dtype=dtype, max_new_tokens=max_new_tokens,
                                    temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
                                    prompt_lookup=prompt_lookup, eyas_plain=eyas_plain, eos_token_ids=eos,
-                                   questions=len(rows), vllm=vllm_info, repeats=repeats, generate=generate),
+                                   questions=len(rows), vllm=vllm_info, repeats=repeats, generate=generate,
+                                   **({"stopped": stopped} if stop else {})),
               # a static tree's depth is its longest path: leave the positions to the observed cycles
               **summarize(rows, sampling=sampling, depth=tree["depth"] if tree["kind"] != "static" else None)}
     return report

@@ -47,7 +47,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                        "against plain transformers generate, interleaved in one process.",
                        epilog="Questions: one JSON object per line, MT-bench / Spec-Bench rows "
                        "({question_id, category, turns}: the first turn goes through the target's chat template) "
-                       "or HumanEval-style rows ({prompt}: used raw). Writes REPORT.json and REPORT.png beside it.\n\n"
+                       "or HumanEval-style rows ({prompt}: used raw). Writes REPORT.json and REPORT.png beside it. "
+                       "Ctrl-C stops after the question in hand and reports the questions done (a second Ctrl-C "
+                       "exits at once).\n\n"
                        "examples:\n"
                        "  eyas bench --target smollm2-135m --head heads/smollm2-135m-eagle3 --per-category 1 "
                        "--prompt-lookup --out runs/bench/report.json\n"
@@ -301,6 +303,12 @@ def _bench(args: argparse.Namespace) -> int:
                        repeats=args.repeats, generate=not args.no_generate, note=args.note, **tree_options(args))
     print(format_table(report))
     print(f"report: {args.out}\nplot:   {Path(args.out).with_suffix('.png')}")
+    if stopped := report["settings"].get("stopped"):
+        import sys
+
+        print(f"eyas bench: stopped after {stopped['questions_done']} questions; the report covers those, the "
+              f"{stopped['questions_left']} left were not run", file=sys.stderr)
+        return 128 + stopped["signal"]
     return 0
 
 

@@ -182,6 +182,30 @@ def test_cli_repeats_against_eyas_plain_without_generate(tmp_path, saved_pair, c
     assert "median of 2 alternated repeats" in capsys.readouterr().out
 
 
+def test_ctrl_c_ends_after_the_question_in_hand_and_reports_the_questions_done(tmp_path, pair, monkeypatch):
+    import os
+    import signal
+
+    from eyas.inference.generator import SpeculativeGenerator
+
+    generate, calls = SpeculativeGenerator.generate, []
+
+    def ctrl_c_in_the_first_question(self, *a, **kw):
+        calls.append(1)
+        if len(calls) == 2:  # the warm-up, then the first question
+            os.kill(os.getpid(), signal.SIGINT)
+        return generate(self, *a, **kw)
+
+    monkeypatch.setattr(SpeculativeGenerator, "generate", ctrl_c_in_the_first_question)
+    handlers = [signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)]
+    report = run_bench(*pair, QUESTIONS_AS_OBJECTS, max_new_tokens=4, out=tmp_path / "r.json", progress=False,
+                       **SMALL_TREE)
+    assert [signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)] == handlers
+    assert report["overall"]["questions"] == 1 and len(report["questions"]) == 1  # the question in hand finished
+    assert report["settings"]["stopped"] == {"signal": signal.SIGINT, "questions_done": 1, "questions_left": 1}
+    assert json.loads((tmp_path / "r.json").read_text())["settings"]["stopped"]["questions_done"] == 1
+
+
 def test_cli_bad_questions_is_one_clear_line(tmp_path, capsys):
     from eyas.inference.cli import main
 
