@@ -75,16 +75,16 @@ def build_examples(
     eos_ids: token ids that end an assistant turn (default: the tokenizer's eos).
     """
     if assistant_turns not in ("all", "last"):
-        raise ValueError(f"assistant_turns must be 'all' or 'last', got {assistant_turns!r}")
+        raise InputError(f"assistant_turns must be 'all' or 'last', got {assistant_turns!r}")
     if max_length < 2:
-        raise ValueError(f"max_length must be at least 2, got {max_length}")
+        raise InputError(f"max_length must be at least 2, got {max_length}")
     info = None
     if isinstance(source, str):
         source, info = load_conversations(source, field_map, num_proc=num_proc)
     if limit is not None:
         source = source.select(range(min(limit, len(source))))
     if len(source) == 0:
-        raise ValueError(f"data source {info.name if info else ''} has no rows")
+        raise InputError(f"data source {info.name if info else ''} has no rows")
     ds = source.map(_example, fn_kwargs=dict(tokenizer=tokenizer, max_length=max_length,
                                              last_only=assistant_turns == "last", eos_ids=eos_ids),
                     remove_columns=source.column_names, features=EXAMPLE_FEATURES, num_proc=num_proc,
@@ -93,7 +93,7 @@ def build_examples(
     kept = reasons.pop("", 0)
     summary = SkipSummary(total=len(ds), kept=kept, skipped=dict(reasons), source=info)
     if kept == 0:
-        raise ValueError(f"no usable rows in the data source: {summary}")
+        raise InputError(f"no usable rows in the data source: {summary}")
     if reasons:
         ds = ds.filter(lambda s: s == "", input_columns="skip", num_proc=num_proc, desc="dropping skipped rows")
     return ds.remove_columns("skip"), summary

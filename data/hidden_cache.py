@@ -34,7 +34,7 @@ from safetensors.torch import save
 from tqdm.auto import tqdm
 
 from eyas.models.atomic import atomic_file
-from eyas.models.errors import MissingInput
+from eyas.models.errors import InputError, MissingInput
 from eyas.models.target import Target, resolve_dtype
 
 logger = logging.getLogger(__name__)
@@ -78,7 +78,7 @@ class CacheWriter:
         self.folder = Path(folder)
         self.dtype = resolve_dtype(dtype)
         if self.dtype not in _STORAGE:
-            raise ValueError(f"storage dtype must be one of {sorted(_STORAGE.values())}, got {dtype!r}")
+            raise InputError(f"storage dtype must be one of {sorted(_STORAGE.values())}, got {dtype!r}")
         self.layer_ids = tuple(layer_ids)
         meta = {"version": 1, "target": asdict(target.identity()), "layer_ids": list(layer_ids),
                 "dtype": _STORAGE[self.dtype], "hidden_size": target.hidden_size, **provenance}
@@ -87,7 +87,7 @@ class CacheWriter:
             old = json.loads((self.folder / INDEX).read_text())
             differs = [k for k in meta if old.get(k) != meta[k]]
             if differs:
-                raise ValueError(f"{self.folder} holds a hidden-state cache for a different {', '.join(differs)}; "
+                raise InputError(f"{self.folder} holds a hidden-state cache for a different {', '.join(differs)}; "
                                  "choose another folder or delete it")
             self.index = old
         self.folder.mkdir(parents=True, exist_ok=True)
@@ -153,14 +153,14 @@ def append_cache(dest: str | Path, source: str | Path) -> int:
     dest, source = Path(dest), Path(source)
     src = json.loads((source / INDEX).read_text())
     if not src["complete"]:
-        raise ValueError(f"hidden-state cache {source} is incomplete; finish the run that writes it first")
+        raise InputError(f"hidden-state cache {source} is incomplete; finish the run that writes it first")
     meta = {k: v for k, v in src.items() if k not in ("num_examples", "shards", "complete")}
     index = {**meta, "num_examples": 0, "shards": [], "complete": False}
     if (dest / INDEX).is_file():
         index = json.loads((dest / INDEX).read_text())
         differs = [k for k in meta if index.get(k) != meta[k]]
         if differs:
-            raise ValueError(f"{dest} holds a hidden-state cache for a different {', '.join(differs)} than {source}")
+            raise InputError(f"{dest} holds a hidden-state cache for a different {', '.join(differs)} than {source}")
     dest.mkdir(parents=True, exist_ok=True)
     have = {i for ids, _ in stored_shards(dest) for i in ids}
     added = 0
@@ -202,7 +202,7 @@ def cache_hidden(target: Target, dataset: datasets.Dataset, folder: str | Path, 
                 "%.1f GB free", writer.folder, f"{todo_tokens:,}", len(dataset) - done, len(dataset), need / 1e9,
                 f"{writer.bytes_per_token():,}", free / 1e9)
     if need > free:
-        raise ValueError(f"the hidden-state cache needs ~{need / 1e9:.1f} GB but {writer.folder} has "
+        raise InputError(f"the hidden-state cache needs ~{need / 1e9:.1f} GB but {writer.folder} has "
                          f"{free / 1e9:.1f} GB free")
     bar = tqdm(total=todo_tokens, unit="tok", desc="caching hidden states")
     for lo in range(done, len(dataset), shard_examples):
@@ -231,12 +231,12 @@ class HiddenStateDataset(torch.utils.data.Dataset):
             raise MissingInput(f"{self.folder} is not a hidden-state cache (no {INDEX})")
         self.index = json.loads((self.folder / INDEX).read_text())
         if not self.index["complete"]:
-            raise ValueError(f"hidden-state cache {self.folder} is incomplete ({self.index['num_examples']} examples "
+            raise InputError(f"hidden-state cache {self.folder} is incomplete ({self.index['num_examples']} examples "
                              "so far); rerun the command that wrote it (`eyas data cache-hidden` or `eyas data "
                              "regenerate --cache-hidden`) to finish it")
         fingerprint = self.index["target"]["tokenizer_fingerprint"]
         if target is not None and fingerprint != target.identity().tokenizer_fingerprint:
-            raise ValueError(f"hidden-state cache {self.folder} was computed by another target "
+            raise InputError(f"hidden-state cache {self.folder} was computed by another target "
                              f"({self.index['target']['name_or_path']})")
         self.layer_ids: list[int] = self.index["layer_ids"]
         self._firsts = [s["first"] for s in self.index["shards"]]

@@ -157,7 +157,7 @@ def _regenerate(target, conversations, out: Path, cfg: RegenConfig, batch_size, 
             f.flush()
             os.fsync(f.fileno())
         if done - cached:
-            raise ValueError(f"{out} holds {len(done - cached)} conversations that are not in the hidden-state cache "
+            raise InputError(f"{out} holds {len(done - cached)} conversations that are not in the hidden-state cache "
                              f"{writer.folder} (written without --cache-hidden?): use another output file, or "
                              "regenerate without --cache-hidden and run `eyas data cache-hidden` afterwards")
     todo = [(i, r["messages"]) for i, r in enumerate(conversations) if not r["problem"] and i not in done

@@ -26,6 +26,7 @@ import torch
 from tqdm.auto import tqdm
 
 from eyas.inference.sampling import Sampling, choose
+from eyas.models.errors import InputError
 from eyas.models.kv_cache import KVCache
 from eyas.models.masks import after_history, causal
 from eyas.models.signals import GracefulStop
@@ -366,6 +367,6 @@ def regenerate(
     answers a rerun does not lengthen.
     """
     if batch_size < 1:
-        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        raise InputError(f"batch_size must be >= 1, got {batch_size}")
     return Scheduler(target, conversations, cfg, batch_size, layer_ids, on_done, eos_ids, progress, prefill_tokens,
                      stop, keep_in_flight).run()

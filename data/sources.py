@@ -66,10 +66,10 @@ class FieldMap:
             try:
                 spec = dict(kv.split("=", 1) for kv in spec.split(",") if kv)
             except ValueError:
-                raise ValueError(f"field map {spec!r} must look like conversation=COL,role=KEY,content=KEY") from None
+                raise InputError(f"--fields {spec!r}: expected conversation=COLUMN,role=KEY,content=KEY") from None
         unknown = set(spec) - {"conversation", "role", "content"}
         if unknown:
-            raise ValueError(f"unknown field map keys {sorted(unknown)}; use conversation, role, content")
+            raise InputError(f"--fields: unknown keys {sorted(unknown)}; use conversation, role, content")
         return cls(**spec)
 
 

@@ -23,6 +23,7 @@ from tqdm.auto import tqdm
 from transformers import PreTrainedTokenizerBase
 
 from eyas.models.atomic import atomic_file
+from eyas.models.errors import InputError
 from eyas.models.target import tokenizer_fingerprint
 
 logger = logging.getLogger(__name__)
@@ -96,7 +97,7 @@ def build_vocab_map(dataset: Rows, tokenizer: PreTrainedTokenizerBase, draft_voc
     """
     vocab_size = len(tokenizer)
     if not 0 < draft_vocab_size <= vocab_size:
-        raise ValueError(f"draft_vocab_size must be in 1..{vocab_size} (the tokenizer's size), got {draft_vocab_size}")
+        raise InputError(f"draft_vocab_size must be in 1..{vocab_size} (the tokenizer's size), got {draft_vocab_size}")
     parts = _parts(dataset, tokenizer, draft_vocab_size)
     if cache_path is not None and Path(cache_path).is_file():
         stored = read_vocab_map(cache_path)
@@ -126,7 +127,7 @@ def read_vocab_map(path: str | Path) -> VocabMap:
         meta = f.metadata() or {}
         ids = f.get_tensor("draft_to_target")
     if "fingerprint" not in meta:
-        raise ValueError(f"{path} is not an eyas vocab map (no fingerprint)")
+        raise InputError(f"{path} is not an eyas vocab map (no fingerprint)")
     parts = {k.removeprefix("part."): v for k, v in meta.items() if k.startswith("part.")}
     return VocabMap(ids, float(meta["coverage"]), meta["fingerprint"], parts)
 
@@ -144,6 +145,6 @@ def load_vocab_map(path: str | Path, tokenizer: PreTrainedTokenizerBase | None =
         expected["data"] = data_fingerprint(dataset)
     stale = [k for k, v in expected.items() if vm.parts.get(k) != v]
     if stale:
-        raise ValueError(f"vocab map {path} was built for a different {', '.join(stale)}; "
+        raise InputError(f"vocab map {path} was built for a different {', '.join(stale)}; "
                          f"rebuild it with `eyas data vocab`")
     return vm

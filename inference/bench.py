@@ -65,43 +65,50 @@ def load_questions(path: str | os.PathLike, limit: int | None = None,
     if not path.is_file():
         raise MissingInput(f"questions file {path} does not exist "
                            f"(or use a built-in set: {', '.join(BUILTIN_QUESTIONS)})")
+    from eyas.data.sources import check_text_file
+
+    check_text_file(path)  # empty, UTF-16/32 or binary: named before reading
     questions: list[Question] = []
-    with path.open(encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
+    with path.open("rb") as f:
+        for lineno, raw in enumerate(f, 1):
+            where = f"{path}:{lineno}"
+            try:
+                line = raw.decode("utf-8-sig" if lineno == 1 else "utf-8")
+            except UnicodeDecodeError:
+                raise InputError(f"{where}: not UTF-8 text; re-save the file as UTF-8") from None
             if not line.strip():
                 continue
-            where = f"{path}:{lineno}"
             try:
                 row = json.loads(line)
             except json.JSONDecodeError as e:
-                raise ValueError(f"{where}: not valid JSON ({e.msg})") from e
+                raise InputError(f"{where}: not valid JSON ({e.msg})") from None
             question = _question(row, where, len(questions))
             if per_category is None or sum(q.category == question.category for q in questions) < per_category:
                 questions.append(question)
             if limit is not None and len(questions) >= limit:
                 break
     if not questions:
-        raise ValueError(f"questions file {path} has no questions")
+        raise InputError(f"questions file {path} has no questions")
     return questions
 
 
 def _question(row: Any, where: str, index: int) -> Question:
     if not isinstance(row, dict):
-        raise ValueError(f"{where}: expected a JSON object, got {type(row).__name__}")
+        raise InputError(f"{where}: expected a JSON object, got {type(row).__name__}")
     qid = row.get("question_id", row.get("task_id", index))
     category = row.get("category", "all")
     if not isinstance(category, str) or not category:
-        raise ValueError(f"{where}: `category` must be a non-empty string, got {category!r}")
+        raise InputError(f"{where}: `category` must be a non-empty string, got {category!r}")
     if "turns" in row:
         turns = row["turns"]
         if not isinstance(turns, list) or not turns or not isinstance(turns[0], str) or not turns[0]:
-            raise ValueError(f"{where}: `turns` must be a non-empty list of strings")
+            raise InputError(f"{where}: `turns` must be a non-empty list of strings")
         return Question(qid, category, turns[0], chat=True)
     if "prompt" in row:
         if not isinstance(row["prompt"], str) or not row["prompt"]:
-            raise ValueError(f"{where}: `prompt` must be a non-empty string")
+            raise InputError(f"{where}: `prompt` must be a non-empty string")
         return Question(qid, category, row["prompt"], chat=False)
-    raise ValueError(f"{where}: a question needs `turns` (MT-bench / Spec-Bench) or `prompt` (HumanEval-style); "
+    raise InputError(f"{where}: a question needs `turns` (MT-bench / Spec-Bench) or `prompt` (HumanEval-style); "
                      f"got keys {sorted(row)}")
 
 
@@ -160,7 +167,7 @@ def run_bench(
     if isinstance(questions, (str, os.PathLike)):
         questions = load_questions(questions, limit, per_category)
     elif not (questions := list(questions)[:limit]):
-        raise ValueError("no questions to benchmark")
+        raise InputError("no questions to benchmark")
     threads_before = torch.get_num_threads()
     if threads is not None:
         torch.set_num_threads(threads)

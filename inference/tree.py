@@ -12,6 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
+from eyas.models.errors import InputError
+
 
 @dataclass
 class DraftTree:
@@ -115,9 +117,9 @@ def check_paths(paths: tuple[tuple[int, ...], ...]) -> None:
     """Every path's prefix must be a path too, else a node would hang off nothing."""
     have = set(paths)
     if len(have) != len(paths):
-        raise ValueError("static tree paths contain duplicates")
+        raise InputError("static tree paths contain duplicates")
     for p in paths:
         if not p or min(p) < 0:
-            raise ValueError(f"static tree path {p} must be a non-empty tuple of child ranks >= 0")
+            raise InputError(f"static tree path {p} must be a non-empty tuple of child ranks >= 0")
         if len(p) > 1 and p[:-1] not in have:
-            raise ValueError(f"static tree path {p} has no parent path {p[:-1]}; add it")
+            raise InputError(f"static tree path {p} has no parent path {p[:-1]}; add it")

@@ -10,7 +10,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from .errors import HeadTargetMismatch
+from .errors import HeadTargetMismatch, InputError
 
 HeadType = Literal["eagle1", "eagle3"]
 HEAD_TYPES: tuple[str, ...] = ("eagle1", "eagle3")
@@ -62,40 +62,40 @@ class HeadConfig:
 
     def __post_init__(self) -> None:
         if self.head_type not in HEAD_TYPES:
-            raise ValueError(f"head_type {self.head_type!r} is not one of {HEAD_TYPES}")
+            raise InputError(f"head_type {self.head_type!r} is not one of {HEAD_TYPES}")
         if self.num_layers < 1:
-            raise ValueError(f"num_layers must be >= 1, got {self.num_layers}")
+            raise InputError(f"num_layers must be >= 1, got {self.num_layers}")
         if self.sliding_window is not None and self.sliding_window < 1:
-            raise ValueError(f"sliding_window must be >= 1 or null, got {self.sliding_window}")
+            raise InputError(f"sliding_window must be >= 1 or null, got {self.sliding_window}")
         if self.num_attention_heads % self.num_key_value_heads:
-            raise ValueError(
+            raise InputError(
                 f"num_attention_heads ({self.num_attention_heads}) is not a multiple of "
                 f"num_key_value_heads ({self.num_key_value_heads})"
             )
         if not 0 < self.draft_vocab_size <= self.vocab_size:
-            raise ValueError(
+            raise InputError(
                 f"draft_vocab_size ({self.draft_vocab_size}) must be in 1..vocab_size ({self.vocab_size})"
             )
         if self.head_type == "eagle1":
             if self.draft_vocab_size != self.vocab_size:
-                raise ValueError("an eagle1 head predicts through the target's lm_head: "
+                raise InputError("an eagle1 head predicts through the target's lm_head: "
                                  "draft_vocab_size must equal vocab_size")
             if self.fused_layer_ids:
-                raise ValueError("an eagle1 head reads the final hidden state: fused_layer_ids must be empty")
+                raise InputError("an eagle1 head reads the final hidden state: fused_layer_ids must be empty")
             if self.norm_before_residual:
-                raise ValueError("norm_before_residual is an EAGLE-3 first-layer variant; "
+                raise InputError("norm_before_residual is an EAGLE-3 first-layer variant; "
                                  "an eagle1 head has no hidden_norm")
         elif not self.fused_layer_ids:
-            raise ValueError("an eagle3 head needs fused_layer_ids (e.g. [2, N//2, N-3])")
+            raise InputError("an eagle3 head needs fused_layer_ids (e.g. [2, N//2, N-3])")
         if self.target is not None:
             for name in ("hidden_size", "vocab_size"):
                 if getattr(self.target, name) != getattr(self, name):
-                    raise ValueError(f"head {name} {getattr(self, name)} differs from its target's "
+                    raise InputError(f"head {name} {getattr(self, name)} differs from its target's "
                                      f"{getattr(self.target, name)}")
             n = self.target.num_hidden_layers
             bad = [i for i in self.fused_layer_ids if i < 0 or (n and i > n)]
             if bad:
-                raise ValueError(
+                raise InputError(
                     f"fused_layer_ids {bad} out of range for a {self.target.num_hidden_layers}-layer target"
                 )
 
@@ -114,7 +114,7 @@ class HeadConfig:
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(d) - known)
         if unknown:
-            raise ValueError(f"unknown head config keys {unknown}; valid keys: {sorted(known)}")
+            raise InputError(f"unknown head config keys {unknown}; valid keys: {sorted(known)}")
         d = dict(d)
         d["fused_layer_ids"] = tuple(d.get("fused_layer_ids", ()))
         if d.get("target") is not None and not isinstance(d["target"], TargetIdentity):

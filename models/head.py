@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from .config import HeadConfig, check_head_matches
+from .errors import InputError
 from .kv_cache import KVCache
 from .layers import DecoderLayer, RMSNorm, Rotary
 from .masks import additive, windowed
@@ -80,12 +81,12 @@ class DraftHead(nn.Module):
     def set_vocab_map(self, draft_to_target: torch.Tensor) -> None:
         """Install the draft vocabulary: draft id i stands for target id draft_to_target[i]."""
         if self.config.head_type != "eagle3":
-            raise ValueError("only eagle3 heads have a reduced draft vocabulary")
+            raise InputError("only eagle3 heads have a reduced draft vocabulary")
         ids = draft_to_target.to(self.d2t.device, torch.long)
         if ids.shape != self.d2t.shape:
-            raise ValueError(f"vocab map has {ids.numel()} ids, head draft_vocab_size is {self.d2t.numel()}")
+            raise InputError(f"vocab map has {ids.numel()} ids, head draft_vocab_size is {self.d2t.numel()}")
         if ids.unique().numel() != ids.numel() or ids.min() < 0 or ids.max() >= self.config.vocab_size:
-            raise ValueError("vocab map must hold distinct target ids in range")
+            raise InputError("vocab map must hold distinct target ids in range")
         self.d2t.copy_(ids - torch.arange(ids.numel(), device=ids.device))
         self.t2d.zero_()
         self.t2d[ids] = True

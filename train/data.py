@@ -22,6 +22,7 @@ from typing import Any, Callable, Iterator, Protocol, Sequence
 import torch
 
 from eyas.data.examples import split_indices
+from eyas.models.errors import InputError
 
 from .config import DataConfig
 
@@ -81,7 +82,7 @@ class ExampleStream:
 
     def __init__(self, examples: Examples, seed: int, shuffle: bool = True) -> None:
         if len(examples) == 0:
-            raise ValueError("no training examples (check data.source, data.limit and data.held_out)")
+            raise InputError("no training examples (check data.source, data.limit and data.held_out)")
         self.examples, self.seed, self.shuffle = examples, seed, shuffle
         self._epoch, self._order = -1, None
 

@@ -25,6 +25,7 @@ from typing import Callable, Literal
 import torch
 
 from eyas.models import Target
+from eyas.models.errors import ConfigError
 from eyas.models.loading import load_model_and_tokenizer
 from eyas.models.target import resolve_dtype
 
@@ -89,7 +90,7 @@ def shard_group_size(requested: int | None, processes: int) -> int:
     """Processes per sharding group: `requested`, else the launcher's processes per node (LOCAL_WORLD_SIZE)."""
     group = requested or int(os.environ.get("LOCAL_WORLD_SIZE", processes))
     if group < 1 or processes % group:
-        raise ValueError(f"distributed.shard_group_size={group} must divide the {processes} processes of the run")
+        raise ConfigError(f"distributed.shard_group_size={group} must divide the {processes} processes of the run")
     return group
 
 
