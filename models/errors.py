@@ -9,6 +9,12 @@ values also derive from ValueError, so library callers that catch ValueError kee
 from __future__ import annotations
 
 
+def brief(e: BaseException, limit: int = 300) -> str:
+    """A foreign exception's message on one line (some span paragraphs), for an EyasError that wraps it."""
+    text = " ".join(str(e).split()) or type(e).__name__
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
 class EyasError(Exception):
     """Base class: an expected failure whose message names the problem and what to do about it."""
 

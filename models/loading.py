@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
-from .errors import InputError, MissingInput
+from .errors import InputError, MissingInput, Unsupported, brief
 
 logger = logging.getLogger(__name__)
 
@@ -91,8 +91,7 @@ def resolve_spec(spec: str) -> tuple[str | Path, str | None, str]:
             raise MissingInput(f"target GGUF file {path} does not exist")
         return path.parent, path.name, str(path)
     if path.exists():
-        if not (path / "config.json").is_file():
-            raise MissingInput(f"target folder {path} has no config.json")
+        _check_config(path)
         return path, None, str(path)
     if spec.count("/") == 1 and not spec.startswith((".", "/")):
         return spec, None, spec  # hub id
@@ -101,13 +100,70 @@ def resolve_spec(spec: str) -> tuple[str | Path, str | None, str]:
     )
 
 
+def _check_config(folder: Path) -> None:
+    """A local target folder's config.json: there, JSON, and of a model type this transformers knows."""
+    import json
+
+    from transformers import CONFIG_MAPPING
+
+    path = folder / "config.json"
+    if not folder.is_dir():
+        raise InputError(f"target {folder} is a file, not a model folder (or a .gguf file)")
+    if not path.is_file():
+        raise MissingInput(f"target folder {folder} has no config.json")
+    try:
+        raw = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise InputError(f"{path} is not valid JSON ({brief(e)}); re-download or repair it") from None
+    kind = raw.get("model_type") if isinstance(raw, dict) else None
+    if not isinstance(raw, dict) or not kind:
+        raise InputError(f"{path} does not name a model_type; it is not a transformers model config")
+    if kind not in CONFIG_MAPPING:
+        raise Unsupported(f"{path}: model_type {kind!r} is unknown to transformers {_transformers_version()}; "
+                          "upgrade transformers, or the model needs its own code (not supported)")
+
+
+def _transformers_version() -> str:
+    import transformers
+
+    return transformers.__version__
+
+
+def check_weights(folder: Path) -> None:
+    """A local target folder holds weights and every safetensors file's header is whole (read without the data)."""
+    from safetensors import SafetensorError, safe_open
+
+    files = sorted(folder.glob("*.safetensors"))
+    if not files and not any(folder.glob("*.bin")) and not any(folder.glob("*.pt")):
+        raise MissingInput(f"target folder {folder} has no weights (model.safetensors or pytorch_model.bin); "
+                           "copy or download them beside its config.json")
+    for file in files:
+        try:
+            with safe_open(str(file), framework="pt"):
+                pass
+        except (SafetensorError, OSError) as e:
+            raise InputError(f"{file} is truncated or corrupt ({brief(e)}); re-download or re-save it") from None
+
+
+def load_safetensors(path: str | Path) -> dict[str, torch.Tensor]:
+    """safetensors' load_file, naming the file that is truncated or corrupt."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    try:
+        return load_file(str(path))
+    except (SafetensorError, OSError) as e:
+        raise InputError(f"{path} is truncated or corrupt ({brief(e)}); write it again") from None
+
+
 def load_tokenizer(spec: str) -> PreTrainedTokenizerBase:
     """Only the target's tokenizer, without loading its weights."""
     where, gguf_file, _ = resolve_spec(spec)
     try:
         return AutoTokenizer.from_pretrained(where, gguf_file=gguf_file)
-    except OSError as e:
-        raise OSError(f"could not load the tokenizer of target {spec!r}: {e}") from e
+    except (OSError, ValueError, TypeError) as e:  # transformers' ways of saying the files are missing or bad
+        raise InputError(f"could not load the tokenizer of target {spec!r} ({brief(e)}); the folder needs the "
+                         "tokenizer files it was saved with (tokenizer.json, tokenizer_config.json)") from None
 
 
 def default_device() -> str:
@@ -192,6 +248,8 @@ def load_model_and_tokenizer(spec: str, dtype: torch.dtype, device: str | torch.
     decoder=False: the decoder layers stay on the meta device, unread (see module docstring).
     distributed: a transformers `DistributedConfig` (each process loads its own FSDP2 shard; device ignored)."""
     where, gguf_file, name = resolve_spec(spec)
+    if isinstance(where, Path) and gguf_file is None:
+        check_weights(where)
     tokenizer = load_tokenizer(spec)
     kwargs: dict[str, Any] = {"gguf_file": gguf_file, "dtype": dtype}
     offload = None
@@ -211,8 +269,8 @@ def load_model_and_tokenizer(spec: str, dtype: torch.dtype, device: str | torch.
         kwargs["device_map"] = device_map
     try:
         model = AutoModelForCausalLM.from_pretrained(where, **kwargs)
-    except OSError as e:
-        raise OSError(f"could not load target {spec!r}: {e}") from e
+    except (OSError, ValueError) as e:  # missing files, unreadable weights, configs transformers refuses
+        raise InputError(f"could not load target {spec!r}: {brief(e)}") from None
     finally:
         if offload is not None:
             shutil.rmtree(offload, ignore_errors=True)
