@@ -74,6 +74,7 @@ def load_head(folder: str | Path, target=None, dtype: str | torch.dtype | None =
     raw = read_config(folder)
     config, state = LAYOUTS[detect_layout(raw)].read(folder, raw, target)
     head = DraftHead(config)
+    _check_tensors(folder, head, state)
     missing, unexpected = head.load_state_dict(state, strict=False)
     if missing or unexpected:
         raise InputError(f"{folder}: weights do not fit the config (missing {missing}, unexpected {unexpected})")
@@ -84,6 +85,28 @@ def load_head(folder: str | Path, target=None, dtype: str | torch.dtype | None =
     if target is not None:
         head.bind(target)
     return head
+
+
+def _check_tensors(folder: Path, head: DraftHead, state: dict[str, torch.Tensor]) -> None:
+    """Refuse weights that would fail to load or generate garbage: shapes other than the config's, NaN/inf values,
+    a draft vocab map pointing outside the target vocabulary (it would fail mid-generation)."""
+    expected = head.state_dict()
+    wrong = [f"{k} {tuple(v.shape)} (config: {tuple(expected[k].shape)})" for k, v in state.items()
+             if k in expected and v.shape != expected[k].shape]
+    if wrong:
+        raise InputError(f"{folder}: weight shapes do not match its {CONFIG_NAME}: {', '.join(wrong[:3])}"
+                         f"{', ...' if len(wrong) > 3 else ''}; the config is not the one saved with these weights")
+    bad = [k for k, v in state.items() if v.is_floating_point() and not bool(torch.isfinite(v).all())]
+    if bad:
+        raise InputError(f"{folder}: {', '.join(bad[:5])}{', ...' if len(bad) > 5 else ''} hold NaN or inf "
+                         "(non-finite) values; the head is broken: export it again from a good checkpoint, or retrain")
+    if "d2t" in state and state["d2t"].numel():
+        ids = torch.arange(state["d2t"].numel()) + state["d2t"].long()
+        vocab = head.config.vocab_size
+        if int(ids.min()) < 0 or int(ids.max()) >= vocab:
+            far = int(ids.max()) if int(ids.max()) >= vocab else int(ids.min())
+            raise InputError(f"{folder}: its draft vocab map (d2t) points past the target vocabulary of {vocab} tokens "
+                             f"(id {far}); rebuild it with `eyas data vocab` and retrain, or export the head again")
 
 
 def save_head(head: DraftHead, folder: str | Path, extra: dict[str, Any] | None = None) -> Path:

@@ -9,10 +9,10 @@ from typing import Any
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import load_file
 
 from ..config import HeadConfig
 from ..errors import InputError, MissingInput
+from ..loading import load_safetensors
 
 CONFIG_NAME, WEIGHTS_NAME = "config.json", "model.safetensors"
 LEGACY_WEIGHTS_NAME = "pytorch_model.bin"  # what the EAGLE reference code saves and reads
@@ -37,7 +37,7 @@ def read_config(folder: str | Path) -> dict[str, Any]:
 def read_weights(folder: Path) -> dict[str, torch.Tensor]:
     """The head's tensors from model.safetensors or, for the reference layouts, pytorch_model.bin."""
     if (folder / WEIGHTS_NAME).is_file():
-        return load_file(str(folder / WEIGHTS_NAME))
+        return load_safetensors(folder / WEIGHTS_NAME)
     if (folder / LEGACY_WEIGHTS_NAME).is_file():
         return torch.load(folder / LEGACY_WEIGHTS_NAME, map_location="cpu", weights_only=True)
     raise MissingInput(f"{folder} has {CONFIG_NAME} but neither {WEIGHTS_NAME} nor {LEGACY_WEIGHTS_NAME}")

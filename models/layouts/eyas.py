@@ -9,11 +9,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
 from ..atomic import atomic_folder
 from ..config import HeadConfig
 from ..errors import InputError, MissingInput
+from ..loading import load_safetensors
 from . import register
 from .common import CONFIG_NAME, HEAD_FILES, WEIGHTS_NAME
 
@@ -37,7 +38,7 @@ class EyasLayout:
         weights = folder / WEIGHTS_NAME
         if not weights.is_file():
             raise MissingInput(f"{folder} has {CONFIG_NAME} but no {WEIGHTS_NAME}")
-        return config, load_file(str(weights))
+        return config, load_safetensors(weights)
 
     def write(self, head, folder: Path, target=None, extra: dict[str, Any] | None = None) -> None:
         config = {"eyas_format": FORMAT_VERSION, **head.config.to_dict(), **({"extra": extra} if extra else {})}
