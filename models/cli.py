@@ -20,7 +20,9 @@ def register(sub: argparse._SubParsersAction) -> None:
         epilog="example: eyas export runs/smollm2/checkpoints/step-00002000 --out heads/smollm2-sglang --format sglang",
     )
     p.add_argument("source", metavar="HEAD_OR_CHECKPOINT", help="head folder or training checkpoint folder")
-    p.add_argument("--out", required=True, help="output folder (replaced atomically if it exists)")
+    p.add_argument("--out", required=True, help="output folder; an existing one is replaced (atomically) only if it "
+                   "holds a head and nothing else")
+    p.add_argument("--force", action="store_true", help="replace --out even if it holds other files")
     p.add_argument("--format", default="eyas", choices=["eyas", "sglang", "speculators", "eagle"],
                    help="eyas: native (default); sglang: LlamaForCausalLMEagle3 layout (EAGLE-3 reference); "
                    "speculators: vLLM's speculators eagle3 layout; eagle: EAGLE-1 reference layout")
@@ -36,6 +38,6 @@ def run(args: argparse.Namespace) -> int:
     from .target import Target
 
     target = Target.load(args.target) if args.target else None
-    out = export_head(args.source, args.out, args.format, target)
+    out = export_head(args.source, args.out, args.format, target, force=args.force)
     print(f"wrote {args.format} head to {out}")
     return 0
