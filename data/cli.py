@@ -48,7 +48,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                    "tokenizer is used")
     q.add_argument("--source", default="sharegpt", help=SOURCE_HELP + " (default: sharegpt)")
     q.add_argument("--fields", default=None, help=FIELDS_HELP)
-    q.add_argument("--out", required=True, help="output folder")
+    q.add_argument("--out", required=True, help="output folder; an existing one is replaced (atomically) only if it "
+                   "holds prepared examples and nothing else")
+    q.add_argument("--force", action="store_true", help="replace --out even if it holds other files")
     q.add_argument("--max-length", type=positive, default=2048, help="tokens per example (default: 2048)")
     q.add_argument("--assistant-turns", choices=["all", "last"], default="all",
                    help="which assistant turns are trained on")
@@ -249,7 +251,7 @@ def _prepare(args: argparse.Namespace) -> int:
                                  args.limit, args.num_proc)
     print(summary)
     train, held = split_examples(ds, _held_out(args.held_out), args.seed)
-    with atomic_folder(args.out, ("train", "held_out", "prepare.json")) as tmp:
+    with atomic_folder(args.out, ("train", "held_out", "prepare.json"), args.force) as tmp:
         train.save_to_disk(str(tmp / "train"))
         held.save_to_disk(str(tmp / "held_out"))
         (tmp / "prepare.json").write_text(json.dumps({
@@ -267,12 +269,16 @@ def _load_examples(folder: str, split: str = "train"):
 
     import datasets
 
+    from eyas.models.errors import MissingInput
+
     path = Path(folder) / split
     if not path.is_dir():
-        from eyas.models.errors import MissingInput
-
         raise MissingInput(f"{path} does not exist; run `eyas data prepare --out {folder}` first")
-    return datasets.load_from_disk(str(path))
+    try:
+        return datasets.load_from_disk(str(path))
+    except FileNotFoundError:  # a folder datasets did not write
+        raise MissingInput(f"{path} is not a split written by `eyas data prepare`; run `eyas data prepare --out "
+                           f"{folder}` again") from None
 
 
 def _vocab(args: argparse.Namespace) -> int:
