@@ -93,7 +93,8 @@ def build_examples(
     kept = reasons.pop("", 0)
     summary = SkipSummary(total=len(ds), kept=kept, skipped=dict(reasons), source=info)
     if kept == 0:
-        raise InputError(f"no usable rows in the data source: {summary}")
+        reasons = "; ".join(line.strip() for line in str(summary).splitlines())
+        raise InputError(f"data source {info.name if info else ''}: no usable rows ({reasons})")
     if reasons:
         ds = ds.filter(lambda s: s == "", input_columns="skip", num_proc=num_proc, desc="dropping skipped rows")
     return ds.remove_columns("skip"), summary

@@ -285,6 +285,9 @@ def load_conversations(source: str, field_map: FieldMap | dict | str | None = No
         wanted = f"a `{fields.conversation}` field" if fields.conversation else "a `conversations` or `messages` field"
         raise InputError(f"data source {name}: no row has {wanted} (fields found: {', '.join(seen) or 'none'}); say "
                          "where the chat is with --fields conversation=COL,role=KEY,content=KEY")
+    if len(ds) == 0:
+        raise InputError(f"data source {name} holds no rows" + (" (it is cut off before its first complete record)"
+                                                                if info.truncated_tail else ""))
     info.rows = len(ds)
     if cache:
         with atomic_folder(folder, ours=None) as tmp:  # eyas's own cache

@@ -97,7 +97,8 @@ def build_vocab_map(dataset: Rows, tokenizer: PreTrainedTokenizerBase, draft_voc
     """
     vocab_size = len(tokenizer)
     if not 0 < draft_vocab_size <= vocab_size:
-        raise InputError(f"draft_vocab_size must be in 1..{vocab_size} (the tokenizer's size), got {draft_vocab_size}")
+        raise InputError(f"a draft vocabulary of {draft_vocab_size} tokens does not fit the target's {vocab_size}; "
+                         f"pick 1..{vocab_size} (--size, head.draft_vocab_size)")
     parts = _parts(dataset, tokenizer, draft_vocab_size)
     if cache_path is not None and Path(cache_path).is_file():
         stored = read_vocab_map(cache_path)
