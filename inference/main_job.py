@@ -43,7 +43,8 @@ class DemoPlan:
     """How large each step of the demo is: FULL, the main job, or QUICK, a smoke run of the same steps."""
 
     distill: SelfDistill = SelfDistill()
-    training: tuple[str, ...] = ()  # config overrides, applied before the user's own
+    steps: int | None = None  # training steps (None: the config's schedule)
+    training: tuple[str, ...] = ()  # more config overrides, applied before the user's own
     per_category: int | None = None  # bench questions: the first N of each category (None: all) ...
     limit: int | None = None  # ... then the first N of those (None: all)
     max_new_tokens: int = 256  # per bench question
@@ -53,27 +54,33 @@ class DemoPlan:
     suffix: str = ""  # added to the default run and head folders: a quick run never resumes into a full one
     smoke: bool = False  # too small to measure anything: said before it starts and in the report, table and plot
 
-    def sizes(self) -> str:
-        """Its sizes in words: conversations, training steps, bench questions."""
-        steps = next((o.split("=", 1)[1] for o in self.training if o.startswith("schedule.total_steps=")),
-                     "the config's")
-        return (f"{self.distill.conversations} conversations of at most {self.distill.max_new_tokens} tokens, "
-                f"{steps} training steps, {self.limit or 'all'} questions x {self.max_new_tokens} tokens")
+    def overrides(self) -> list[str]:
+        """The plan's training config overrides."""
+        return ([f"schedule.total_steps={self.steps}"] if self.steps is not None else []) + list(self.training)
 
-    def note(self) -> str | None:
-        """What a smoke run is, in one line (None for a real run)."""
+    def sizes(self, steps: int | None = None) -> str:
+        """Its sizes in words: conversations, training steps (`steps`, else the plan's), bench questions."""
+        steps = steps if steps is not None else self.steps
+        trained = f"{steps} training steps" if steps is not None else "the config's training steps"
+        return (f"{self.distill.conversations} conversations of at most {self.distill.max_new_tokens} tokens, "
+                f"{trained}, {self.limit or 'all'} questions x {self.max_new_tokens} tokens")
+
+    def note(self, steps: int | None = None) -> str | None:
+        """What a smoke run of `steps` training steps is, in one line (None for a real run)."""
         if not self.smoke:
             return None
-        return (f"quick demo, a smoke run ({self.sizes()}): the head is barely trained, so its tau and speedup say "
-                "nothing about what eyas does; `eyas demo` is the real run")
+        return (f"quick demo, a smoke run ({self.sizes(steps)}): the head is barely trained, so its tau and speedup "
+                "say nothing about what eyas does; `eyas demo` is the real run")
 
 
 FULL = DemoPlan()
 QUICK = DemoPlan(
-    # ~100 tokens per answer in ~2 min of regeneration; prompts over 320 tokens are skipped
-    SelfDistill(conversations=96, max_new_tokens=96, max_length=320, batch_size=32),
-    training=("schedule.total_steps=40", "schedule.warmup_steps=4", "logging.every=5", "logging.eval_every=0",
-              "checkpoint.every=20", "data.held_out=8",
+    # Sized for ~10 minutes on 2 CPU cores. A quarter of ShareGPT's first prompts reach 320 tokens and are
+    # skipped: ~95 answers of up to 96 tokens.
+    SelfDistill(conversations=128, max_new_tokens=96, max_length=320, batch_size=32),
+    steps=60,
+    training=("schedule.warmup_steps=6", "logging.every=5", "logging.eval_every=0", "checkpoint.every=30",
+              "data.held_out=8",
               "data.vocab_source=null"),  # count the draft vocab on the training data: all of ShareGPT takes minutes
     per_category=1, limit=4, max_new_tokens=64, keep_in_flight=True, suffix="-quick", smoke=True,
 )
@@ -96,9 +103,9 @@ def run_main_job(
 
     load_questions(questions, plan.limit, plan.per_category)  # a bad questions file fails now, not after training
     config = _find_config(config)
-    base = load_config(config, [*plan.training, *overrides])
+    base = load_config(config, [*plan.overrides(), *overrides])
     run_dir = Path(out) if out is not None else Path(base.output_dir + plan.suffix)
-    overrides = [*plan.training, f"output_dir={run_dir}", *overrides]
+    overrides = [*plan.overrides(), f"output_dir={run_dir}", *overrides]
     run = load_config(config, overrides)  # the user's own output_dir= wins
     run_dir = Path(run.output_dir)
     if head_out is None:
@@ -106,7 +113,7 @@ def run_main_job(
     report = Path(report) if report is not None else run_dir / "bench" / "report.json"
     distill = plan.distill
     steps = []
-    if note := plan.note():
+    if note := plan.note(run.schedule.total_steps):  # the steps the user's overrides leave
         print(f"{note}\n", flush=True)
     if distill.conversations > 0:  # states captured while generating: training needs no target pass
         data, cache = run_dir / "selfdistill.jsonl", run_dir / "hidden"

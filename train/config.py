@@ -333,7 +333,15 @@ def load_config(path: str | Path | None, overrides: list[str] = ()) -> RunConfig
         try:
             raw = yaml.safe_load(path.read_text()) or {}
         except yaml.YAMLError as e:
-            raise ConfigError(f"{path} is not valid YAML: {e}") from e
+            mark = getattr(e, "problem_mark", None)
+            where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark else str(path)
+            problem = " ".join(str(getattr(e, "problem", None) or e).split())
+            raise ConfigError(f"{where}: {path.name} is not valid YAML ({problem})") from None
+        except UnicodeDecodeError:
+            raise ConfigError(f"{path} is not UTF-8 text; re-save it as UTF-8") from None
+        if not isinstance(raw, dict):
+            raise ConfigError(f"{path} must hold a mapping of sections (target:, data:, head:, ...), "
+                              f"got a {type(raw).__name__}; see configs/*.yaml")
     return from_dict(RunConfig, apply_overrides(raw, list(overrides)))
 
 

@@ -45,8 +45,7 @@ def test_quick_demo_reaches_every_step_at_its_sizes_and_says_it_is_a_smoke_run(t
     run = tmp_path / "run"
     rows = [json.loads(x) for x in (run / "selfdistill.jsonl").read_text().splitlines()]
     assert 0 < len(rows) <= QUICK.distill.conversations
-    steps = int(QUICK.training[0].removeprefix("schedule.total_steps="))
-    assert (run / "checkpoints" / f"step-{steps:08d}").is_dir()  # trained the quick plan's steps
+    assert (run / "checkpoints" / f"step-{QUICK.steps:08d}").is_dir()  # trained the quick plan's steps
     assert (run / "export" / "config.json").is_file()  # exported into the run folder
     report = json.loads((run / "bench" / "report.json").read_text())
     assert report["overall"]["questions"] == QUICK.limit < len(QUESTIONS)
@@ -74,6 +73,7 @@ def test_a_stop_in_quick_regeneration_keeps_the_answers_in_flight_and_the_rerun_
         return pick(*a)
 
     monkeypatch.setattr(regen.Scheduler, "_choose", ctrl_c_at_the_fifth_pick)
+    quick_args = quick_args + ["schedule.total_steps=4"]  # the user's overrides win over the quick plan's
     assert main(quick_args) == 130
     err = capsys.readouterr().err
     kept = re.search(r"kept (\d+) answers in flight cut where they stood \((\d+) tokens\), dropped (\d+) "
@@ -86,6 +86,8 @@ def test_a_stop_in_quick_regeneration_keeps_the_answers_in_flight_and_the_rerun_
 
     monkeypatch.setattr(regen.Scheduler, "_choose", pick)
     assert main(quick_args) == 0  # the same command continues from the kept answers
+    assert "4 training steps" in capsys.readouterr().out  # the note says what ran
+    assert (tmp_path / "run" / "checkpoints" / "step-00000004").is_dir()
     rows = [json.loads(x)["id"] for x in (tmp_path / "run" / "selfdistill.jsonl").read_text().splitlines()]
     assert len(rows) == len(set(rows)) > len(stored)
     assert (tmp_path / "run" / "bench" / "report.json").is_file()
