@@ -33,7 +33,7 @@ from safetensors import safe_open
 from safetensors.torch import save
 from tqdm.auto import tqdm
 
-from eyas.models.atomic import atomic_file
+from eyas.models.atomic import atomic_file, make_folder
 from eyas.models.errors import InputError, MissingInput
 from eyas.models.target import Target, resolve_dtype
 
@@ -90,7 +90,10 @@ class CacheWriter:
                 raise InputError(f"{self.folder} holds a hidden-state cache for a different {', '.join(differs)}; "
                                  "choose another folder or delete it")
             self.index = old
-        self.folder.mkdir(parents=True, exist_ok=True)
+            kept = _readable_prefix(self.folder, old["shards"])
+            if len(kept) < len(old["shards"]):
+                self.index = {**old, "shards": kept, "num_examples": sum(s["count"] for s in kept), "complete": False}
+        make_folder(self.folder)
 
     @property
     def written(self) -> int:
@@ -132,6 +135,31 @@ class CacheWriter:
             json.dump(self.index, f, indent=1)
 
 
+def _open_shard(folder: Path, name: str):
+    """safe_open of one shard, or an InputError naming it (missing, truncated or corrupt) and the fix."""
+    from safetensors import SafetensorError
+
+    from eyas.models.errors import brief
+
+    try:
+        return safe_open(str(folder / name), framework="pt")
+    except (SafetensorError, OSError) as e:
+        raise InputError(f"hidden-state cache shard {folder / name} is missing, truncated or corrupt ({brief(e)}); "
+                         "rerun the command that wrote the cache (`eyas data cache-hidden` recomputes it from there)"
+                         ) from None
+
+
+def _readable_prefix(folder: Path, shards: list[dict]) -> list[dict]:
+    """The shards before the first one that cannot be read (a disk fault, a copy cut short)."""
+    for n, s in enumerate(shards):
+        try:
+            _open_shard(folder, s["file"])
+        except InputError as e:
+            logger.warning("%s: recomputing it and the %d shards after it", e, len(shards) - n - 1)
+            return shards[:n]
+    return shards
+
+
 def stored_shards(folder: str | Path) -> list[tuple[list[int], dict[str, str]]]:
     """(dataset ids, header metadata) of every shard listed in the cache's index, in order."""
     folder = Path(folder)
@@ -139,7 +167,7 @@ def stored_shards(folder: str | Path) -> list[tuple[list[int], dict[str, str]]]:
     if not (folder / INDEX).is_file():
         return out
     for s in json.loads((folder / INDEX).read_text())["shards"]:
-        with safe_open(str(folder / s["file"]), framework="pt") as f:
+        with _open_shard(folder, s["file"]) as f:
             ids = f.get_tensor("ids").tolist() if "ids" in f.keys() else []
             out.append((ids, f.metadata() or {}))
     return out
@@ -161,7 +189,7 @@ def append_cache(dest: str | Path, source: str | Path) -> int:
         differs = [k for k in meta if index.get(k) != meta[k]]
         if differs:
             raise InputError(f"{dest} holds a hidden-state cache for a different {', '.join(differs)} than {source}")
-    dest.mkdir(parents=True, exist_ok=True)
+    make_folder(dest)
     have = {i for ids, _ in stored_shards(dest) for i in ids}
     added = 0
     for shard, (ids, _) in zip(src["shards"], stored_shards(source)):
@@ -241,13 +269,16 @@ class HiddenStateDataset(torch.utils.data.Dataset):
         self.layer_ids: list[int] = self.index["layer_ids"]
         self._firsts = [s["first"] for s in self.index["shards"]]
         self._files: dict[int, object] = {}
+        for s in range(len(self._firsts)):  # headers only: a damaged shard is named now, not mid-training
+            self._shard(s)
+        self._files = {}  # DataLoader workers open their own
 
     def __len__(self) -> int:
         return self.index["num_examples"]
 
     def _shard(self, s: int):
         if s not in self._files:  # opened lazily, so DataLoader workers each get their own handles
-            self._files[s] = safe_open(str(self.folder / self.index["shards"][s]["file"]), framework="pt")
+            self._files[s] = _open_shard(self.folder, self.index["shards"][s]["file"])
         return self._files[s]
 
     def __getitem__(self, i: int) -> dict[str, torch.Tensor]:

@@ -23,6 +23,7 @@ from tqdm.auto import tqdm
 from eyas.data.chat_template import TemplateError, render_with_mask
 from eyas.data.hidden_cache import CacheWriter, stored_shards
 from eyas.data.regenerate import Job, RegenConfig, RegenStats, regenerate
+from eyas.models.atomic import make_folder, writable_file
 from eyas.models.config import default_fused_layer_ids
 from eyas.models.errors import InputError
 from eyas.models.signals import GracefulStop
@@ -118,7 +119,7 @@ def regenerate_jsonl(target: Target | None, conversations, out: str | Path, cfg:
         if not 0 <= residue < modulus:
             raise InputError(f"part {residue}/{modulus}: the part must be in 0..{modulus - 1}")
         parts = parts_folder(out)
-        parts.mkdir(parents=True, exist_ok=True)
+        make_folder(parts)
         skip = frozenset(written_ids(out))  # merged already (by an earlier split or whole run)
         out = parts / f"{residue}-of-{modulus}.jsonl"
         cache_hidden = None if cache_hidden is None else parts / f"{residue}-of-{modulus}.hidden"
@@ -138,8 +139,7 @@ def _regenerate(target, conversations, out: Path, cfg: RegenConfig, batch_size, 
     if engine is not None and cache_hidden is not None:
         raise InputError("a serving engine returns text, not target states: regenerate without --cache-hidden, "
                          "then run `eyas data cache-hidden` (or train with online hidden states)")
-    out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
+    out = writable_file(out)
     done = written_ids(out)
     writer = None
     if cache_hidden is not None:

@@ -84,7 +84,7 @@ def vllm_python(python: str | None = None) -> str | None:
     if python and not Path(python).is_file():
         raise MissingInput(f"vLLM interpreter {python} does not exist (set {VLLM_PYTHON_ENV} or --vllm-python to the "
                            "python of the environment vLLM is installed in)")
-    return python
+    return python or None  # an empty EYAS_VLLM_PYTHON is unset
 
 
 def vllm_model(spec: str) -> str:

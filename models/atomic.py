@@ -80,6 +80,25 @@ def make_parents(path: Path) -> None:
         raise InputError(f"cannot write {path}: {blocker} is a file, not a folder; choose another path") from None
 
 
+def make_folder(path: str | os.PathLike) -> Path:
+    """Create the folder `path` (and those above it), or say which part of the path is a file."""
+    path = Path(path)
+    make_parents(path)
+    if path.exists() and not path.is_dir():
+        raise InputError(f"{path} is a file, not a folder; choose another path")
+    path.mkdir(exist_ok=True)
+    return path
+
+
+def writable_file(path: str | os.PathLike) -> Path:
+    """A file path whose folders exist (created here), or say what is in the way."""
+    path = Path(path)
+    make_parents(path)
+    if path.is_dir():
+        raise InputError(f"{path} is a folder; give a file path")
+    return path
+
+
 def _check_replaceable(final: Path, ours: Collection[str] | None, force: bool) -> None:
     if not final.exists() and not final.is_symlink():
         return
@@ -125,10 +144,7 @@ def atomic_folder(path: str | os.PathLike, ours: Collection[str] | None = (), fo
 @contextlib.contextmanager
 def atomic_file(path: str | os.PathLike, mode: str = "w") -> Iterator:
     """Open a temporary sibling for writing; rename it over `path` only when the block succeeds."""
-    final = Path(path)
-    make_parents(final)
-    if final.is_dir():
-        raise InputError(f"{final} is a folder; give a file path")
+    final = writable_file(path)
     clean_debris(final)
     fd, tmp = tempfile.mkstemp(prefix=f".{final.name}{_TMP}{os.getpid()}-", dir=final.parent)
     try:

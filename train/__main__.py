@@ -18,7 +18,7 @@ def main() -> None:
 
     try:
         code = train_command(args)
-    except (EyasError, ValueError, FileNotFoundError) as e:  # bad input: one clear line, not a traceback
+    except EyasError as e:  # bad input: one clear line; anything else is a bug and keeps its traceback
         print(f"eyas train: error: {e}", file=sys.stderr)
         code = 2
     sys.stdout.flush()

@@ -11,7 +11,7 @@
 
 All ranks write `state/` into the same temporary folder; the main process adds head/ and
 trainer.json and renames the folder, so a crash leaves the previous checkpoints and at most
-one `.step-*.tmp` folder, which is ignored and replaced.
+one `.step-*.tmp` folder, which is ignored and removed by the next save or resume.
 """
 
 from __future__ import annotations
@@ -44,6 +44,14 @@ def list_checkpoints(output_dir: str | Path) -> list[Path]:
     return sorted(done, key=lambda p: int(p.name.split("-")[1]))
 
 
+def remove_partial(output_dir: str | Path) -> None:
+    """Remove checkpoint folders a killed run left half-written (main process; nothing else writes them then)."""
+    root = checkpoints_dir(output_dir)
+    if root.is_dir():
+        for partial in root.glob(".step-*.tmp"):
+            shutil.rmtree(partial, ignore_errors=True)
+
+
 def save_checkpoint(accelerator, model, head_state: dict[str, Any] | None, head_config, trainer_state: dict[str, Any],
                     output_dir: str | Path, keep: int) -> Path:
     """Collective: every rank must call it. head_state is the full head state dict (main process)."""
@@ -51,7 +59,7 @@ def save_checkpoint(accelerator, model, head_state: dict[str, Any] | None, head_
     final = root / f"step-{trainer_state['step']:08d}"
     tmp = root / f".{final.name}.tmp"
     if accelerator.is_main_process:
-        shutil.rmtree(tmp, ignore_errors=True)
+        remove_partial(output_dir)
         tmp.mkdir(parents=True)
     accelerator.wait_for_everyone()
     accelerator.save_state(str(tmp / STATE))

@@ -31,9 +31,9 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def train_command(args: argparse.Namespace) -> int:
     from .config import load_config
-    from .trainer import run
+    from .trainer import run_with_status
 
-    result = run(load_config(args.config, args.overrides))  # expected failures raise EyasError: one line
+    result, status = run_with_status(load_config(args.config, args.overrides))  # bad input raises EyasError
     if result and os.environ.get("RANK", "0") == "0":
         print(" ".join(f"{k}={v:.4f}" for k, v in sorted(result.items())))
-    return 0
+    return status  # 130/143 after a stop by SIGINT/SIGTERM (checkpoint saved), so schedulers see the preemption

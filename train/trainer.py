@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from eyas.models import DraftHead, head_config_for
+from eyas.models.atomic import atomic_file, make_folder
 from eyas.models.errors import ConfigError, EyasError
 from eyas.models.signals import GracefulStop
 
@@ -68,7 +69,7 @@ class Trainer:
         from accelerate.utils import set_seed
 
         self.config = c = config
-        self.out = Path(c.output_dir)
+        self.out = make_folder(c.output_dir)  # a file in the way is named now, not after loading the target
         self.accelerator = acc = make_accelerator(c)
         self.log(check_launch(acc, c))
         set_seed(c.seed)
@@ -83,6 +84,7 @@ class Trainer:
                                                                       / self.global_batch))
         self.model, self.optimizer, self.scheduler = self._prepare_optimizer()
         self.step, self.consumed, self.tokens_seen = 0, 0, 0
+        self.metrics_rows = 0  # lines in metrics.jsonl (main process): a resume cuts the file back to its checkpoint's
         self.stream = ExampleStream(self.train_set, c.seed)
         self.pad_id = self.target.tokenizer.pad_token_id if self.target.tokenizer.pad_token_id is not None else 0
         self._stop = GracefulStop(self.log, "saving a checkpoint at the next logging step, then exiting"
@@ -90,8 +92,8 @@ class Trainer:
         self._resume()
         self.lengths = lengths_of(self.train_set) if c.batch.group_by_length else None
         if acc.is_main_process:
-            self.out.mkdir(parents=True, exist_ok=True)
-            (self.out / "config.yaml").write_text(dump_config(c))
+            with atomic_file(self.out / "config.yaml") as f:
+                f.write(dump_config(c))
         if TRACKERS[c.logging.backend]:
             acc.init_trackers(c.logging.project, config=_flat(c.to_dict()))
 
@@ -127,21 +129,43 @@ class Trainer:
         if self.accelerator.is_main_process:
             print(f"[eyas train] {message}", flush=True)
 
+    @property
+    def exit_status(self) -> int:
+        """0, or 128 + the signal that stopped the run (130 Ctrl-C, 143 SIGTERM): a scheduler tells preemption
+        from success by it."""
+        return self._stop.exit_status
+
     def _resume(self) -> None:
         c = self.config.checkpoint
+        if self.accelerator.is_main_process:
+            checkpoint.remove_partial(self.out)
         found = checkpoint.list_checkpoints(self.out)
         if c.resume == "none":
             if found:
-                raise ValueError(f"{self.out} already has checkpoints; use checkpoint.resume=auto or another "
-                                 "output_dir")
-            return
-        folder = Path(c.resume) if c.resume != "auto" else (found[-1] if found else None)
+                raise ConfigError(f"{self.out} already has checkpoints; use checkpoint.resume=auto or another "
+                                  "output_dir")
+        folder = Path(c.resume) if c.resume not in ("auto", "none") else (found[-1] if found and c.resume == "auto"
+                                                                           else None)
         if folder is None:
+            self._cut_metrics(0)  # a run that starts over drops the rows of one killed before its first checkpoint
             return
         state = checkpoint.load_checkpoint(self.accelerator, folder)
         self.step, self.consumed, self.tokens_seen = state["step"], state["consumed"], state["tokens_seen"]
+        self._cut_metrics(state.get("metrics_rows"))
         self.log(f"resumed from {folder} at step {self.step} (saved by {state['world_size']} process(es), "
                  f"now {self.world})")
+
+    def _cut_metrics(self, rows: int | None) -> None:
+        """Keep the first `rows` lines of metrics.jsonl (those written up to the checkpoint resumed from): the steps
+        run again after a resume are not logged twice, nor a line half-written by a kill kept."""
+        path = self.out / "metrics.jsonl"
+        if rows is None or not self.accelerator.is_main_process or not path.is_file():
+            self.metrics_rows = rows or 0
+            return
+        lines = path.read_bytes().splitlines()[:rows]
+        self.metrics_rows = len(lines)
+        with atomic_file(path, "wb") as f:
+            f.write(b"".join(line + b"\n" for line in lines))
 
     # ---- one micro-batch -------------------------------------------------------------------------
     def _batch(self, rows: dict[str, torch.Tensor] | list[dict[str, Any]]) -> dict[str, torch.Tensor]:
@@ -289,6 +313,7 @@ class Trainer:
         if acc.is_main_process:
             with open(self.out / "metrics.jsonl", "a") as f:
                 f.write(json.dumps({"step": self.step, **logs}) + "\n")
+            self.metrics_rows += 1
 
     @torch.no_grad()
     def evaluate(self) -> dict[str, float]:
@@ -342,7 +367,7 @@ class Trainer:
 
     def save(self) -> Path:
         trainer_state = {"step": self.step, "consumed": self.consumed, "tokens_seen": self.tokens_seen,
-                         "world_size": self.world, "total_steps": self.total_steps}
+                         "world_size": self.world, "total_steps": self.total_steps, "metrics_rows": self.metrics_rows}
         return checkpoint.save_checkpoint(self.accelerator, self.model, self._head_state(), self.head.config,
                                           trainer_state, self.out, self.config.checkpoint.keep)
 
@@ -373,8 +398,14 @@ def _flat(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
 
 
 def run(config: RunConfig) -> dict[str, float]:
+    """Train; the final held-out metrics, {} for a run stopped by a signal (it saved a checkpoint)."""
+    return run_with_status(config)[0]
+
+
+def run_with_status(config: RunConfig) -> tuple[dict[str, float], int]:
+    """(final held-out metrics, exit status: 0, or 130/143 for a run stopped by SIGINT/SIGTERM)."""
     trainer = Trainer(config)
     try:
-        return trainer.train()
+        return trainer.train(), trainer.exit_status
     finally:
         trainer.cleanup()
