@@ -138,7 +138,7 @@ def run_main_job(
     for argv in steps:
         if rc := _step(argv):
             if rc in (130, 143):  # stopped by a signal: every step resumes
-                print(f"\neyas demo: stopped during `eyas {argv[0]}`; rerun the same command to continue",
+                print(f"\neyas demo: stopped during `{_name(argv)}`; rerun the same command to continue",
                       file=sys.stderr)
             return rc
     print(f"\nhead:   {head_out}  (trained in {run_dir})\nreport: {report}\nplot:   {report.with_suffix('.png')}\n"
@@ -151,6 +151,11 @@ def plan_with(plan: DemoPlan, **changes) -> DemoPlan:
     distill = {k: v for k, v in changes.pop("distill", {}).items() if v is not None}
     return dataclasses.replace(plan, distill=dataclasses.replace(plan.distill, **distill),
                                **{k: v for k, v in changes.items() if v is not None})
+
+
+def _name(argv: list[str]) -> str:
+    """The command a step runs, e.g. `eyas data regenerate`."""
+    return "eyas " + " ".join(argv[:2] if argv[0] == "data" else argv[:1])
 
 
 def _minutes(seconds: float) -> str:
@@ -176,6 +181,5 @@ def _step(argv: list[str]) -> int:
     print(f"\n$ eyas {shlex.join(argv)}", flush=True)
     started = time.perf_counter()
     rc = main(argv)
-    print(f"# eyas {argv[0]}{' ' + argv[1] if argv[0] == 'data' else ''}: {_minutes(time.perf_counter() - started)}",
-          flush=True)
+    print(f"# {_name(argv)}: {_minutes(time.perf_counter() - started)}", flush=True)
     return rc

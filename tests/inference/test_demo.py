@@ -81,7 +81,7 @@ def test_a_stop_in_quick_regeneration_keeps_the_answers_in_flight_and_the_rerun_
     assert kept and int(kept[1]) > 0 and int(kept[2]) > 0
     stored = (tmp_path / "run" / "selfdistill.jsonl").read_text().splitlines()
     assert len(stored) == int(kept[1])  # nothing had finished: what is stored is what the stop kept
-    assert "stopped during `eyas data`" in err and "rerun the same command" in err
+    assert "stopped during `eyas data regenerate`" in err and "rerun the same command" in err
     assert not (tmp_path / "run" / "checkpoints").exists()  # the demo stopped there
 
     monkeypatch.setattr(regen.Scheduler, "_choose", pick)
