@@ -124,10 +124,18 @@ def save_vocab_map(vm: VocabMap, path: str | Path) -> None:
 
 def read_vocab_map(path: str | Path) -> VocabMap:
     """Read a stored map without checking what it was built for (see load_vocab_map)."""
-    with safe_open(str(path), framework="pt") as f:
-        meta = f.metadata() or {}
-        ids = f.get_tensor("draft_to_target")
-    if "fingerprint" not in meta:
+    from safetensors import SafetensorError
+
+    from eyas.models.errors import brief
+
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            meta = f.metadata() or {}
+            ids = f.get_tensor("draft_to_target") if "draft_to_target" in f.keys() else None
+    except (SafetensorError, OSError) as e:
+        raise InputError(f"{path} is not a readable vocab map: truncated or corrupt ({brief(e)}); delete it (eyas "
+                         "rebuilds it) or choose another path") from None
+    if "fingerprint" not in meta or ids is None:
         raise InputError(f"{path} is not an eyas vocab map (no fingerprint)")
     parts = {k.removeprefix("part."): v for k, v in meta.items() if k.startswith("part.")}
     return VocabMap(ids, float(meta["coverage"]), meta["fingerprint"], parts)

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
+import torch
 from safetensors.torch import load_file, save_file
 
 
@@ -394,6 +395,12 @@ CASES: list[Case] = [
          files(**{"vdir__mine.txt": "mine"})),
     Case("vocab-out-below-a-file", swap(VOCAB, "{t}/vocab.safetensors", "{t}/taken/v.safetensors"),
          r"taken is a file", files(taken="x")),
+    Case("vocab-out-corrupt", VOCAB, r"vocab\.safetensors is not a readable vocab map.*delete it",
+         files(**{"vocab.safetensors": b"\x10\x00\x00\x00\x00\x00\x00\x00{broken"})),
+    Case("vocab-out-foreign-safetensors", VOCAB, r"vocab\.safetensors is not an eyas vocab map",
+         lambda t, a: save_file({"x": torch.zeros(2)}, t / "vocab.safetensors")),
+    Case("train-vocab-cache-corrupt", (*TRAIN, "head.draft_vocab_size=50", "data.vocab_cache={t}/v.safetensors"),
+         r"v\.safetensors is not a readable vocab map", files(**{"v.safetensors": b"garbage"})),
     # -- data cache-hidden ---------------------------------------------------------------------------------
     Case("cache-examples-missing", swap(CACHE, "{examples}", "{t}/noex"), r"noex/train does not exist.*prepare"),
     Case("cache-split-unknown", (*CACHE, "--split", "test"), r"--split.*invalid choice"),

@@ -71,3 +71,11 @@ def test_totals():
     per = Counter(c.id.split("-")[0] for c in CASES)
     print(f"\n{len(CASES)} kinds: " + ", ".join(f"{k} {v}" for k, v in sorted(per.items())))
     assert sum(per.values()) == len(CASES)
+
+
+@pytest.mark.parametrize("how", ["flag", "env"])
+def test_debug_shows_the_traceback_of_an_expected_error(how, eyas, assets, tmp_path):
+    argv = ["--debug"] * (how == "flag") + ["export", str(tmp_path / "nohead"), "--out", str(tmp_path / "out")]
+    result = eyas.run(argv, tmp_path, {"EYAS_DEBUG": "1"} if how == "env" else None)
+    assert result.status == 2 and "Traceback" in result.stderr and "MissingInput" in result.stderr
+    assert result.stderr.splitlines()[-1].startswith("eyas export: error: ") and "nohead is neither" in result.stderr
