@@ -51,6 +51,7 @@ def test_missing_head_folder_is_a_clear_error(folders, capsys):
 
 
 def test_head_for_another_target_is_refused(folders, capsys):
-    code = main(["generate", "--target", str(folders / "target"), "--head", str(folders / "other-head"), "--prompt", "a"])
+    code = main(["generate", "--target", str(folders / "target"), "--head", str(folders / "other-head"),
+                 "--prompt", "a"])
     assert code == 2 and "vocab size mismatch" in capsys.readouterr().err
     assert load_head(folders / "other-head").config.vocab_size == 384
