@@ -25,8 +25,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                        epilog="examples:\n"
                        "  eyas generate --target smollm2-135m --head heads/smollm2-135m-eagle3 "
                        "--prompt \"Name three uses of copper.\" --stats\n"
-                       "  eyas generate --target smollm2-135m --head heads/smollm2-135m-eagle3 --prompt \"def fib(n):\" "
-                       "--raw --temperature 0.7 --seed 1")
+                       "  eyas generate --target smollm2-135m --head heads/smollm2-135m-eagle3 "
+                       "--prompt \"def fib(n):\" --raw --temperature 0.7 --seed 1")
     p.add_argument("--prompt", required=True, help="the prompt; sent as a user message through the chat template "
                    "when the tokenizer has one (see --raw)")
     p.add_argument("--raw", action="store_true", help="tokenize --prompt as is, without the chat template")
