@@ -60,18 +60,21 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    from eyas.models.errors import EyasError
-
-    # the library reports through `logging`; the CLI shows its INFO lines (progress notes, measured costs)
+def show_library_logs(stream) -> None:
+    """The library reports through `logging`; a command shows its INFO lines (progress notes, measured costs)."""
     root = logging.getLogger("eyas")
     if not root.handlers:
-        handler = logging.StreamHandler(sys.stderr)
+        handler = logging.StreamHandler(stream)
         handler.setFormatter(logging.Formatter("%(message)s"))
         root.addHandler(handler)
         root.setLevel(logging.INFO)
 
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    from eyas.models.errors import EyasError
+
+    show_library_logs(sys.stderr)
     try:
         return int(args.func(args) or 0)
     except EyasError as e:  # bad input: one clear line; anything else is a bug and keeps its traceback

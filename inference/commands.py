@@ -7,11 +7,11 @@ import argparse
 from eyas.models.arguments import (
     int_or_auto,
     non_negative,
+    non_negative_float,
     nucleus,
     positive,
     positive_float,
     probability,
-    non_negative_float,
     tree_paths,
 )
 
@@ -155,7 +155,8 @@ def _add_generation_options(p: argparse.ArgumentParser) -> None:
 
 
 def _add_model_options(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--target", required=True, help="target model: local HF folder, .gguf file, hub id or `smollm2-135m`")
+    p.add_argument("--target", required=True,
+                   help="target model: local HF folder, .gguf file, hub id or `smollm2-135m`")
     p.add_argument("--head", required=True, help="draft head folder (eyas, SGLang, speculators or EAGLE-1 layout)")
     p.add_argument("--device", default=None, help="where target and head run: cpu, cuda, cuda:N, or auto (the target "
                    "split over every visible GPU); default cuda when a GPU is visible, else cpu")
@@ -201,7 +202,8 @@ def format_stats(stats) -> str:
     n = sum(stats.accepted)
     overhead = stats.total_time_s - stats.draft_time_s - stats.target_time_s
     return (f"tau {stats.mean_accepted:.2f} tokens/forward over {len(stats.accepted)} cycles | {n} tokens in "
-            f"{stats.total_time_s:.2f}s ({n / max(stats.total_time_s, 1e-9):.1f} tok/s) | draft {stats.draft_time_s:.2f}s "
+            f"{stats.total_time_s:.2f}s ({n / max(stats.total_time_s, 1e-9):.1f} tok/s) | "
+            f"draft {stats.draft_time_s:.2f}s "
             f"target {stats.target_time_s:.2f}s (prefill {stats.prefill_time_s:.2f}s) overhead {overhead:.2f}s")
 
 

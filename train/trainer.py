@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import math
 import resource
 import time
@@ -49,6 +50,8 @@ from .launch import TRACKERS, LaunchMismatch, check_launch, make_accelerator
 from .losses import DistillationLoss, acceptance, target_teacher
 from .optim import optimizer_and_schedule
 from .target_sharding import load_target
+
+logger = logging.getLogger(__name__)
 
 
 class NonFiniteLoss(EyasError):
@@ -127,7 +130,7 @@ class Trainer:
     # ---- setup helpers -------------------------------------------------------------------------
     def log(self, message: str) -> None:
         if self.accelerator.is_main_process:
-            print(f"[eyas train] {message}", flush=True)
+            logger.info("[eyas train] %s", message)
 
     @property
     def exit_status(self) -> int:

@@ -125,7 +125,7 @@ def test_offline_cache_trains_like_online(tmp_path):
                                 "head.type=eagle1"))
 
 
-def test_draft_vocab_can_be_counted_on_another_source(tmp_path, capsys):
+def test_draft_vocab_can_be_counted_on_another_source(tmp_path, caplog):
     from eyas.data.vocab import read_vocab_map
     from eyas.models import Target
 
@@ -138,9 +138,10 @@ def test_draft_vocab_can_be_counted_on_another_source(tmp_path, capsys):
                                              {"role": "assistant", "content": answer}]}) + "\n")
     config = tiny_run_config(tmp_path / "run", "schedule.total_steps=1", "head.draft_vocab_size=48",
                              f"data.vocab_source={other}", "logging.eval_batches=0")
+    caplog.set_level("INFO", logger="eyas.train")
     run(config)
     assert re.search(r"draft vocab: 48 tokens cover \d+\.\d% of training targets "
-                     r"\(counted on .*other.jsonl: 100\.0% there\)", capsys.readouterr().out)
+                     r"\(counted on .*other.jsonl: 100\.0% there\)", caplog.text)
     target = Target.load(config.target.spec)
     draft = read_vocab_map(tmp_path / "run" / "vocab_map.safetensors").draft_to_target
     ids = set(target.tokenizer.convert_tokens_to_ids(words))
