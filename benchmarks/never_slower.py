@@ -35,6 +35,8 @@ def main() -> int:
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--limit", type=int, default=None, help="only the first N questions of each set")
+    p.add_argument("--per-category", type=int, default=None, metavar="N",
+                   help="only the first N questions of each category of each set (every kind of prompt, fewer runs)")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--floor", type=float, default=0.97, help="the lowest median speedup a question may have")
     p.add_argument("--run-floor", type=float, default=0.95, help="the lowest speedup of any single run")
@@ -73,8 +75,8 @@ def main() -> int:
             print(f"\n== {head_name} ({head_spec}) on {set_name}: {path}", flush=True)
             reports[head_name, set_name] = run_bench(
                 target, load_head(head_spec, target), questions, max_new_tokens=args.max_new_tokens, dtype="fp32",
-                threads=args.threads, limit=args.limit, eyas_plain=True, generate=False, repeats=args.repeats,
-                out=path)
+                threads=args.threads, limit=args.limit, per_category=args.per_category, eyas_plain=True,
+                generate=False, repeats=args.repeats, out=path)
             print(f"   done after {(time.perf_counter() - started) / 60:.1f} min", flush=True)
 
     print(f"\n{'head':<8} {'set':<12} {'n':>3} {'tau':>5} {'mean':>7} {'overall':>8} {'worst':>7} {'p10':>7} "
