@@ -50,12 +50,9 @@ def int_or_auto(value: str) -> int | str:
     if value == "auto":
         return value
     try:
-        n = int(value)
-    except ValueError:
-        n = 0
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"expected an integer of at least 1 or `auto`, got {value!r}")
-    return n
+        return positive(value)
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(f"expected an integer of at least 1 or `auto`, got {value!r}") from None
 
 
 def layer_ids(value: str) -> tuple[int, ...]:

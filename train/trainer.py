@@ -147,8 +147,10 @@ class Trainer:
             if found:
                 raise ConfigError(f"{self.out} already has checkpoints; use checkpoint.resume=auto or another "
                                   "output_dir")
-        folder = Path(c.resume) if c.resume not in ("auto", "none") else (found[-1] if found and c.resume == "auto"
-                                                                           else None)
+        if c.resume in ("auto", "none"):
+            folder = found[-1] if found and c.resume == "auto" else None
+        else:
+            folder = Path(c.resume)
         if folder is None:
             self._cut_metrics(0)  # a run that starts over drops the rows of one killed before its first checkpoint
             return
