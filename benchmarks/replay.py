@@ -38,6 +38,9 @@ VARIANTS: dict[str, dict[str, Any]] = {  # name -> Planner keyword arguments
 }
 
 
+VERSION = 2  # the prefill decides the first token; drafts are rooted at the continuation's tokens
+
+
 # ---- recording ---------------------------------------------------------------------------------------------
 def record(args: argparse.Namespace) -> None:
     import torch
@@ -59,7 +62,7 @@ def record(args: argparse.Namespace) -> None:
     warm = prompt_ids(target, questions[0])
     gen.generate(warm, max_new_tokens=8, eos_token_id=eos)  # calibrates; first-call costs stay out
     plain_decode(target, warm, 8, eos, Sampling(), 0)
-    out = {"target": args.target, "head": args.head, "depth": args.depth, "top_k": args.top_k,
+    out = {"version": VERSION, "target": args.target, "head": args.head, "depth": args.depth, "top_k": args.top_k,
            "lookup": options.lookup, "threads": args.threads, "start": gen.planner.costs.start, "questions": []}
     for q in tqdm(questions, desc="record", unit="q"):
         ids = prompt_ids(target, q)
@@ -80,11 +83,12 @@ def record(args: argparse.Namespace) -> None:
         feats = feats.features if head.config.fused_layer_ids else feats.hidden
         drafter = HeadDrafter(head, DynamicExpansion(args.depth, args.top_k))
         drafter.reset(1, len(seq) + args.depth + 4)
-        n0 = len(ids) - 1
-        ctx = DraftContext(torch.tensor([seq[1:len(ids)]], device=dev), feats[:, :n0],
+        # the prefill decides continuation[0]; draft j is rooted at continuation[j] (position n0 + j)
+        n0 = len(ids)
+        ctx = DraftContext(torch.tensor([seq[1:n0 + 1]], device=dev), feats[:, :n0],
                            torch.arange(n0, device=dev)[None], [n0])
         drafts = []
-        for j in range(len(continuation)):
+        for j in range(len(continuation) - 1):
             c = drafter.draft(ctx)
             drafts.append([c.tokens[0].tolist(), c.parents[0].tolist(), [round(x, 4) for x in c.scores[0].tolist()],
                            c.depth[0].tolist()])
@@ -140,17 +144,18 @@ def replay(rec: dict, q: dict, costs, planner) -> tuple[float, float]:
 
     prompt, cont = q["prompt"], q["continuation"]
     lookup = planner.lookup_reached.shape[1]
-    index = NgramIndex(prompt) if lookup else None
+    index = NgramIndex(prompt + cont[:1]) if lookup else None
     planner.begin(q["prefill_s"])
-    pos, behind, seconds = 0, len(prompt) - 1, q["prefill_s"]
-    plain = q["prefill_s"] + sum(costs.verify(0, len(prompt) - 1 + k) for k in range(len(cont)))
+    # the prefill decided cont[0], the first cycle's root; every cycle's root is the last token produced
+    pos, behind, seconds = min(1, len(cont)), len(prompt), q["prefill_s"]
+    plain = q["prefill_s"] + sum(costs.verify(0, len(prompt) + k) for k in range(len(cont) - 1))
     while pos < len(cont):
-        context = len(prompt) - 1 + pos
+        context = len(prompt) + pos - 1  # the cache: the prompt and every token produced but the root
         want = cont[pos:]  # what the target produces after this cycle's root
         levels, head = 0, []  # head: the verified candidates as (token, parent: 0 the root, i the i-th of them)
         catchup = behind
         if behind > 0 and planner.should_draft(context, behind):
-            tokens, parents, scores, depth = (np.array(x) for x in q["drafts"][pos])
+            tokens, parents, scores, depth = (np.array(x) for x in q["drafts"][pos - 1])
             levels = 1
             while levels < depth.max() and planner.keep_drafting(_frontier(scores, parents, depth, levels)):
                 levels += 1
@@ -238,6 +243,9 @@ def run(args: argparse.Namespace) -> None:
     for path in args.recordings:
         with gzip.open(path, "rt", encoding="utf-8") as f:
             recordings.append(json.load(f))
+        if recordings[-1].get("version") != VERSION:
+            sys.exit(f"{path}: recorded by an older replay.py (format {recordings[-1].get('version', 1)}, "
+                     f"this one reads {VERSION}): record it again")
     costs = truth(recordings)
     print(f"cost model of the recorded cycles: {json.dumps({k: round(v, 5) for k, v in costs.describe().items()})}")
     variants = {k: v for k, v in VARIANTS.items() if not args.variants or k in args.variants}

@@ -199,7 +199,7 @@ def _sampling_kwargs(args: argparse.Namespace) -> dict:
 
 def format_stats(stats) -> str:
     """One line: τ, throughput, and where the time went."""
-    n = sum(stats.accepted)
+    n = stats.prefill_tokens + sum(stats.accepted)
     overhead = stats.total_time_s - stats.draft_time_s - stats.target_time_s
     return (f"tau {stats.mean_accepted:.2f} tokens/forward over {len(stats.accepted)} cycles | {n} tokens in "
             f"{stats.total_time_s:.2f}s ({n / max(stats.total_time_s, 1e-9):.1f} tok/s) | "

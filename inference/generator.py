@@ -2,10 +2,10 @@
 
 Rows of a batch hold prompts of different lengths side by side in one KV cache (models/kv_cache.py),
 each in its own columns from 0, and accept different numbers of tokens per cycle; the head's cache mirrors
-the target's column for column. The prefill stops before each prompt's last token, which becomes the first
-cycle's root, so the first generated token is the first cycle's verdict like every other. A row that is
-done (eos, stop string, length) leaves the batch before the next cycle. Only the CLI prints; generation
-returns tokens and stats.
+the target's column for column. The prefill runs each whole prompt and decides the first generated token from
+its logits, as plain decoding does (no extra forward per generation); that token is the first cycle's root.
+A row that is done (eos, stop string, length) leaves the batch before the next cycle. Only the CLI prints;
+generation returns tokens and stats.
 """
 
 from __future__ import annotations
@@ -36,6 +36,7 @@ Prompt = Union[Sequence[int], torch.Tensor, str, Sequence[dict]]
 @dataclass
 class GenerationStats:
     accepted: list[int] = field(default_factory=list)  # tokens gained per verify forward (accepted drafts + 1)
+    prefill_tokens: int = 0  # tokens decided by the prefill's forward (the first generated one), not in `accepted`
     draft_time_s: float = 0.0  # head forwards: catch-up on accepted tokens + drafting
     target_time_s: float = 0.0  # target forwards: prefill + verifies
     total_time_s: float = 0.0  # the whole call; total - draft - target = engine overhead
@@ -219,21 +220,28 @@ class SpeculativeGenerator:
         cache = target.new_cache(len(prompts), capacity)
         drafter.reset(len(prompts), capacity)
 
-        # prefill: every prompt but its last token, which is the first cycle's root
-        ctx, prefill_s = self._prefill(prompts, cache, watch)
-        for st in stats:
-            st.prefill_time_s = st.target_time_s = prefill_s
-        if planner is not None:
-            planner.begin(prefill_s)
-        unseen = [ctx]  # what the head has not seen yet, oldest first: it catches up on all of it when it drafts
-        behind = list(ctx.counts)  # per row: how many tokens that is
-        root = torch.tensor([p[-1] for p in prompts], device=dev)
         seen = None
         if s.repetition_penalty != 1.0:
             seen = torch.zeros(len(prompts), target.vocab_size, dtype=torch.bool, device=dev)
             for b, p in enumerate(prompts):
                 seen[b, torch.tensor(p, device=dev)] = True
-        index = [NgramIndex(p) for p in prompts] if lookup else []  # each row's n-grams, for lookup branches
+        # prefill: every prompt whole; the target's choice after its last token is the first generated token
+        ctx, root, prefill_s = self._prefill(prompts, cache, watch, seen, s, gen)
+        first = root.tolist()
+        for r, st, tok in zip(rows, stats, first):
+            st.prefill_time_s = st.target_time_s = prefill_s
+            if not r.done:
+                r.add([tok])
+                st.prefill_tokens = 1
+        if seen is not None:
+            seen[torch.arange(len(prompts), device=dev), root] = True
+        if planner is not None:
+            planner.begin(prefill_s)
+        unseen = [ctx]  # what the head has not seen yet, oldest first: it catches up on all of it when it drafts
+        behind = list(ctx.counts)  # per row: how many tokens that is
+        # each row's n-grams, for lookup branches
+        index = [NgramIndex(p + [tok]) for p, tok in zip(prompts, first)] if lookup else []
+        yield  # the first token, as soon as the prompt is read (a stream shows it before any cycle)
 
         live = list(range(len(prompts)))  # batch row -> index into rows
         while keep := [i for i, j in enumerate(live) if not rows[j].done]:
@@ -321,23 +329,27 @@ class SpeculativeGenerator:
         for st in stats:
             st.total_time_s = total
 
-    def _prefill(self, prompts: list[list[int]], cache, watch: Stopwatch) -> tuple[DraftContext, float]:
-        """Run every prompt but its last token into the cache (right-padded: causal attention never reaches the
-        padding); the head's first context is their features, EAGLE-shifted. Returns (context, seconds)."""
+    def _prefill(self, prompts: list[list[int]], cache, watch: Stopwatch, seen: torch.Tensor | None, s: Sampling,
+                 gen: torch.Generator | None) -> tuple[DraftContext, torch.Tensor, float]:
+        """Run every prompt into the cache (right-padded: causal attention never reaches the padding) and choose
+        the first generated token from the logits after its last token, by the rule a cycle's root-only verify
+        uses. Returns (the head's first context: the prompts' features, EAGLE-shifted, so that the first token
+        pairs with the last prompt position; the first tokens [B]; seconds)."""
         dev = self.target.device
-        width = max(len(p) for p in prompts) - 1
-        pad = [p + [p[-1]] * (width + 1 - len(p)) for p in prompts]
-        ids = torch.tensor(pad, device=dev)
+        lengths = torch.tensor([len(p) for p in prompts], device=dev)
+        width = int(max(len(p) for p in prompts))
+        ids = torch.tensor([p + [p[-1]] * (width - len(p)) for p in prompts], device=dev)  # [B, W]
         t0 = watch.mark()
-        if width > 0:
-            out = self.target(ids[:, :width], cache=cache, layer_ids=self.layer_ids, logits=False)
-            features = self._features(out)
-        else:  # one-token prompts: nothing before the root
-            features = torch.zeros(len(prompts), 0, self.head.config.feature_size, device=dev, dtype=self.target.dtype)
-        cache.commit([len(p) - 1 for p in prompts])
-        seconds = watch.between(t0, watch.mark())
+        out = self.target(ids, cache=cache, layer_ids=self.layer_ids, logits=(lengths - 1)[:, None])
+        last = DraftTree.root_only(ids.gather(1, (lengths - 1)[:, None])[:, 0])
+        logits = out.logits if seen is None else penalized(out.logits, last, last.ancestors(), seen,
+                                                           s.repetition_penalty)
+        first = self.verifier(logits, last, s, gen)[:, 0]  # [B]
+        cache.commit([len(p) for p in prompts])
+        tokens = torch.cat([ids[:, 1:], ids[:, -1:]], 1).scatter_(1, (lengths - 1)[:, None], first[:, None])
         positions = torch.arange(width, device=dev).expand(len(prompts), -1)
-        return DraftContext(ids[:, 1:], features, positions, [len(p) - 1 for p in prompts]), seconds
+        ctx = DraftContext(tokens, self._features(out), positions, [len(p) for p in prompts])
+        return ctx, first, watch.between(t0, watch.mark())
 
     def _select(self, candidates: Candidates, levels: int, planner: Planner | None) -> DraftTree:
         """Which candidates the target verifies: the planner's count, the fixed total_tokens, or a static tree."""

@@ -113,7 +113,7 @@ def test_sampling_keeps_the_distribution_of_models_that_post_process_logits(fami
     head = DraftHead(head_config_for(target, FAMILIES[family].head), target)
     # a temperature that leaves the model's own distribution neither flat nor one-hot
     s = Sampling(float(target(torch.tensor([PROMPT])).logits.std()) / 1.5)
-    tree, n = TreeOptions(total_tokens=5, top_k=3, depth=2), 250
+    tree, n = TreeOptions(total_tokens=5, top_k=3, depth=2), 1000
     reference = generate_samples(target.model, n, 2, 2, **as_generate_kwargs(s))
     exact = speculative_samples(target, head, n, 2, 1, tree, min_tau=1.05, **settings_of(s))
     assert min_p_value(exact, reference) > 1e-3
