@@ -8,8 +8,8 @@ Per prompt (the first user turns of a few ShareGPT conversations), greedy, fp32,
   when it verifies the root alone, without the engine around it;
 - spec: speculative generation with a fixed tree (a random head, --total-tokens nodes, no lookup): the
   whole cycle, head, verify, acceptance and bookkeeping; its tokens per target forward are ~1 with a
-  random head, so its time per forward is the cycle's cost.
-Printed per variant: ms per target forward (median of --repeats). With --compare-with, the other revision
+  random head, so its time per token is the cycle's cost.
+Printed per variant: ms per generated token, prefill included (median of --repeats). With --compare-with, the other revision
 is checked out into a temporary folder and both run in turns (A B A B ...), each in its own process, so
 drift in machine speed hits both alike; the last lines are the ratios new / old.
 """
@@ -65,7 +65,7 @@ def measure(args: argparse.Namespace) -> dict[str, float]:
             times["plain"].append((time.perf_counter() - t0) / args.tokens)
             t0 = time.perf_counter()
             res = gen.generate(ids, max_new_tokens=args.tokens, eos_token_id=[])
-            times["spec"].append((time.perf_counter() - t0) / len(res.stats.accepted))
+            times["spec"].append((time.perf_counter() - t0) / len(res.tokens))
     return {k: 1e3 * statistics.median(v) for k, v in times.items()}
 
 
@@ -97,7 +97,7 @@ def compare(args: argparse.Namespace) -> None:
             subprocess.run(["git", "-C", str(REPO), "worktree", "remove", "--force", str(Path(tmp) / "src")])
     for key in ("plain", "spec"):
         new, old = (statistics.median(r[key] for r in runs[n]) for n in ("new", "old"))
-        print(f"{key}: {new:.1f} ms per target forward now, {old:.1f} ms at {args.compare_with}: {new / old:.3f}x")
+        print(f"{key}: {new:.1f} ms per token now, {old:.1f} ms at {args.compare_with}: {new / old:.3f}x")
 
 
 def main() -> None:
@@ -116,7 +116,7 @@ def main() -> None:
         compare(args)
         return
     result = measure(args)
-    print(json.dumps(result) if args.json else "  ".join(f"{k} {v:.1f} ms/forward" for k, v in result.items()))
+    print(json.dumps(result) if args.json else "  ".join(f"{k} {v:.1f} ms/token" for k, v in result.items()))
 
 
 if __name__ == "__main__":
