@@ -9,9 +9,9 @@ Per prompt (the first user turns of a few ShareGPT conversations), greedy, fp32,
 - spec: speculative generation with a fixed tree (a random head, --total-tokens nodes, no lookup): the
   whole cycle, head, verify, acceptance and bookkeeping; its tokens per target forward are ~1 with a
   random head, so its time per token is the cycle's cost.
-Printed per variant: ms per generated token, prefill included (median of --repeats). With --compare-with, the other revision
-is checked out into a temporary folder and both run in turns (A B A B ...), each in its own process, so
-drift in machine speed hits both alike; the last lines are the ratios new / old.
+Printed per variant: ms per generated token, prefill included (median of --repeats). With --compare-with,
+the other revision is checked out into a temporary folder and both run in turns (A B A B ...), each in its
+own process, so drift in machine speed hits both alike; the last lines are the ratios new / old.
 """
 
 from __future__ import annotations

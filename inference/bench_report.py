@@ -26,7 +26,9 @@ merged later. Conventions:
   median times over its repeats. `worst_question_speedup` (and which question), `p10_question_speedup`,
   `median_question_speedup`, `slower_question_fraction` (share of questions below 1.0x), and
   `worst_run_speedup`: the lowest speedup of any single repeat (repeat r of eyas against repeat r of the
-  reference, run beside it).
+  reference, run beside it). `reference_vs_itself_worst_run` (with repeats): the machine's noise on the same
+  scale, the lowest ratio between two repeats of the reference on one question (A/A); a worst run above it
+  is within what identical runs differ by.
 - vllm_* (with --vllm): the same head in vLLM (runtimes_vllm.py), a chain of vllm_draft_tokens per step.
   vllm_tau and vllm_accept_rate_per_position follow the definitions above; vllm_speedup is over generate;
   vllm_plain_* is vLLM without the head and `vllm_speedup_over_plain` what the head adds inside vLLM.
@@ -119,10 +121,16 @@ def question_speedups(rows: Sequence[dict[str, Any]]) -> tuple[str, list[float],
     return ref, medians, worst
 
 
+def reference_vs_itself(rows: Sequence[dict[str, Any]], ref: str) -> float | None:
+    """The worst ratio between two repeats of the reference on the same question (A/A), None without repeats."""
+    runs = [r[f"{ref}_times_s"] for r in rows if len(r.get(f"{ref}_times_s", ())) > 1]
+    return min(a / b for t in runs for a in t for b in t) if runs else None
+
+
 def _distribution(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
     ref, speedups, worst_runs = question_speedups(rows)
     order = sorted(range(len(rows)), key=speedups.__getitem__)
-    return {"question_speedup_reference": ref,
+    return {"question_speedup_reference": ref, "reference_vs_itself_worst_run": reference_vs_itself(rows, ref),
             "worst_question_speedup": speedups[order[0]], "worst_question": rows[order[0]].get("question_id"),
             "p10_question_speedup": _quantile(speedups, 0.1), "median_question_speedup": _quantile(speedups, 0.5),
             "slower_question_fraction": sum(x < 1.0 for x in speedups) / len(speedups),
@@ -217,7 +225,9 @@ def format_table(report: dict[str, Any]) -> str:
     out.append(f"worst / p10 / slower %: per-question speedups over {against}"
                + (f", each the median of {repeats} alternated repeats" if repeats > 1 else "")
                + f"; worst question {o['worst_question']} ({o['worst_question_speedup']:.2f}x), "
-               f"worst single run {o['worst_run_speedup']:.2f}x")
+               f"worst single run {o['worst_run_speedup']:.2f}x"
+               + ("" if o.get("reference_vs_itself_worst_run") is None else
+                  f" (the reference against itself: {o['reference_vs_itself_worst_run']:.2f}x)"))
     if o["speedup_basis"] != "time":
         out.append("speedups are tokens/s ratios: outputs differ in length (sampling), so times are not for the "
                    "same tokens")

@@ -294,5 +294,8 @@ def test_question_speedups_give_the_worst_question_the_tenth_percentile_and_the_
     assert o["p10_question_speedup"] == pytest.approx(0.9 + 0.9 * (0.96 - 0.9))  # between the lowest two
     assert o["slower_question_fraction"] == pytest.approx(0.2)
     assert o["worst_run_speedup"] == pytest.approx(0.5)  # question 3's third run, not its median
+    # the noise: question 3's plain decoding against itself; category d's repeats agree
+    assert o["reference_vs_itself_worst_run"] == pytest.approx(0.5 / 1.1)
+    assert report["per_category"]["d"]["reference_vs_itself_worst_run"] == pytest.approx(1.0)
     assert report["per_category"]["d"]["worst_question"] == 5
     assert report["per_category"]["c"]["slower_question_fraction"] == pytest.approx(0.2)
