@@ -9,9 +9,11 @@ Per prompt (the first user turns of a few ShareGPT conversations), greedy, fp32,
 - spec: speculative generation with a fixed tree (a random head, --total-tokens nodes, no lookup): the
   whole cycle, head, verify, acceptance and bookkeeping; its tokens per target forward are ~1 with a
   random head, so its time per token is the cycle's cost.
-Printed per variant: ms per generated token, prefill included (median of --repeats). With --compare-with,
-the other revision is checked out into a temporary folder and both run in turns (A B A B ...), each in its
-own process, so drift in machine speed hits both alike; the last lines are the ratios new / old.
+Printed per variant: ms per generated token, prefill included (median of --repeats), in wall time and in
+the process's CPU time (`_cpu`: with one thread, the time the process computed, not the time it waited for
+the machine's cores). With --compare-with, the other revision is checked out into a temporary folder and
+both run in turns (A B A B ...), each in its own process, so drift in machine speed hits both alike; the
+last lines are the ratios new / old.
 """
 
 from __future__ import annotations
@@ -57,15 +59,16 @@ def measure(args: argparse.Namespace) -> dict[str, float]:
             break
     plain_decode(target, prompts[0], 8, [], Sampling(), 0)  # warm-up
     gen.generate(prompts[0], max_new_tokens=8, eos_token_id=[])
-    times: dict[str, list[float]] = {"plain": [], "spec": []}
+    runs = {"plain": lambda ids: plain_decode(target, ids, args.tokens, [], Sampling(), 0),
+            "spec": lambda ids: gen.generate(ids, max_new_tokens=args.tokens, eos_token_id=[]).tokens}
+    times: dict[str, list[float]] = {f"{k}{unit}": [] for k in runs for unit in ("", "_cpu")}
     for _ in range(args.repeats):
         for ids in prompts:
-            t0 = time.perf_counter()
-            plain_decode(target, ids, args.tokens, [], Sampling(), 0)
-            times["plain"].append((time.perf_counter() - t0) / args.tokens)
-            t0 = time.perf_counter()
-            res = gen.generate(ids, max_new_tokens=args.tokens, eos_token_id=[])
-            times["spec"].append((time.perf_counter() - t0) / len(res.tokens))
+            for name, run in runs.items():
+                t0, c0 = time.perf_counter(), time.process_time()
+                n = len(run(ids))
+                times[name].append((time.perf_counter() - t0) / n)
+                times[f"{name}_cpu"].append((time.process_time() - c0) / n)
     return {k: 1e3 * statistics.median(v) for k, v in times.items()}
 
 
@@ -95,7 +98,7 @@ def compare(args: argparse.Namespace) -> None:
                     print(name, runs[name][-1], flush=True)
         finally:
             subprocess.run(["git", "-C", str(REPO), "worktree", "remove", "--force", str(Path(tmp) / "src")])
-    for key in ("plain", "spec"):
+    for key in runs["new"][0]:
         new, old = (statistics.median(r[key] for r in runs[n]) for n in ("new", "old"))
         print(f"{key}: {new:.1f} ms per token now, {old:.1f} ms at {args.compare_with}: {new / old:.3f}x")
 
