@@ -32,7 +32,7 @@ from typing import Any
 VARIANTS: dict[str, dict[str, Any]] = {  # name -> Planner keyword arguments
     "planner": {},
     "no guard": {"margin": 1e9, "slack": 1e9},
-    "margin 1%": {"margin": 0.01},
+    "margin 0.5%": {"margin": 0.005},
     "margin 3%": {"margin": 0.03},
     "slack 0.25": {"slack": 0.25},
     "no lookup": {"lookup_max": 0},

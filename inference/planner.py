@@ -68,7 +68,7 @@ class Planner:
 
     def __init__(self, costs: CostModel, max_depth: int, top_k: int = 4, decay: float = 0.995, weight: float = 4.0,
                  rate_decay: float = 0.98, max_probe: int = 64, lookup_max: int = 8, lookup_prior: float = 0.5,
-                 max_ngram: int = MAX_NGRAM, margin: float = 0.005, slack: float = 0.5, stall: float = 4.0) -> None:
+                 max_ngram: int = MAX_NGRAM, margin: float = 0.01, slack: float = 0.5, stall: float = 4.0) -> None:
         self.costs = costs
         self.max_depth, self.top_k = max_depth, top_k
         self.decay, self.weight, self.rate_decay, self.max_probe = decay, weight, rate_decay, max_probe
@@ -85,7 +85,8 @@ class Planner:
         self.level_earned, self.level_mass = 1.0, 1.0
         self.probe, self.since_probe = 2, 0
         self.plain_every, self.since_plain = 16, 0  # a plain cycle at least this often: the guard's yardstick
-        self.typical_levels = 2.0  # what a drafting cycle typically drafts (decayed mean): what a draft costs
+        # what a drafting cycle typically drafts and verifies (decayed means): its worst case for the guard
+        self.typical_levels, self.typical_nodes = 2.0, float(top_k)
         self.lookup_prior = lookup_prior
         self.lookup_reached = np.zeros((max_ngram, lookup_max))  # decayed counts per (match length n-1, position)
         self.lookup_passed = np.zeros((max_ngram, lookup_max))
@@ -133,11 +134,11 @@ class Planner:
             return False
         self.left = self.allowance()
         c = self.costs
-        # the smallest draft worth making, one level and one node verified, must fit: deeper levels and more
-        # nodes are each admitted only while they fit what is left (keep_drafting, choose)
-        if c.draft(1, catchup) + c.verify(1, context) - c.verify(0, context) > self.left:
+        draft = c.draft(round(self.typical_levels), catchup)
+        worst = draft + c.verify(round(self.typical_nodes), context) - c.verify(0, context)
+        if worst > self.left:
             return False  # a probe waits until it is affordable
-        if self.advantage >= self.rate * c.draft(round(self.typical_levels), catchup):
+        if self.advantage >= self.rate * draft:
             return True
         self.since_probe += 1
         if self.since_probe < self.probe:
@@ -239,6 +240,7 @@ class Planner:
             self.excess += min(draft_s + rest_s, self.stall * seconds) - tokens * plain
         if levels:
             self.typical_levels = 0.9 * self.typical_levels + 0.1 * levels
+            self.typical_nodes = 0.9 * self.typical_nodes + 0.1 * nodes
 
     def observe_lookup(self, proposed: Sequence[int], accepted: Sequence[int], ngrams: Sequence[int]) -> None:
         """Per row with a lookup branch: its length, how many of its leading tokens were accepted, and the
