@@ -279,10 +279,9 @@ class SpeculativeGenerator:
             allowed = None if cache.uniform is not None and tree.chain else after_history(
                 cache.lengths, anc, cache.width + tree.size)
             out = target(tree.tokens, positions, cache, allowed, layer_ids=self.layer_ids)
-            logits = out.logits if seen is None else penalized(out.logits, tree, anc, seen, s.repetition_penalty)
 
             # 3. accept: the longest path the target agrees with, plus its own next token
-            acc = accept(tree, self.verifier(logits, tree, s, gen), anc)
+            acc = accept(tree, self._choices(out.logits, tree, anc, seen, s, gen), anc)
             path_tokens = tree.tokens.gather(1, acc.path)
             col = torch.arange(acc.path.shape[1], device=dev)
             last = col[None, :] == (acc.length - 1)[:, None]
@@ -336,20 +335,27 @@ class SpeculativeGenerator:
         uses. Returns (the head's first context: the prompts' features, EAGLE-shifted, so that the first token
         pairs with the last prompt position; the first tokens [B]; seconds)."""
         dev = self.target.device
-        lengths = torch.tensor([len(p) for p in prompts], device=dev)
-        width = int(max(len(p) for p in prompts))
+        counts = [len(p) for p in prompts]
+        width = max(counts)
         ids = torch.tensor([p + [p[-1]] * (width - len(p)) for p in prompts], device=dev)  # [B, W]
+        end = torch.tensor(counts, device=dev)[:, None] - 1  # [B, 1] each prompt's last column
         t0 = watch.mark()
-        out = self.target(ids, cache=cache, layer_ids=self.layer_ids, logits=(lengths - 1)[:, None])
-        last = DraftTree.root_only(ids.gather(1, (lengths - 1)[:, None])[:, 0])
-        logits = out.logits if seen is None else penalized(out.logits, last, last.ancestors(), seen,
-                                                           s.repetition_penalty)
-        first = self.verifier(logits, last, s, gen)[:, 0]  # [B]
-        cache.commit([len(p) for p in prompts])
-        tokens = torch.cat([ids[:, 1:], ids[:, -1:]], 1).scatter_(1, (lengths - 1)[:, None], first[:, None])
+        out = self.target(ids, cache=cache, layer_ids=self.layer_ids, logits=end)
+        last = DraftTree.root_only(ids.gather(1, end)[:, 0])
+        first = self._choices(out.logits, last, last.ancestors(), seen, s, gen)[:, 0]  # [B]
+        cache.commit(counts)
+        tokens = torch.cat([ids[:, 1:], ids[:, -1:]], 1).scatter_(1, end, first[:, None])
         positions = torch.arange(width, device=dev).expand(len(prompts), -1)
-        ctx = DraftContext(tokens, self._features(out), positions, [len(p) for p in prompts])
+        ctx = DraftContext(tokens, self._features(out), positions, counts)
         return ctx, first, watch.between(t0, watch.mark())
+
+    def _choices(self, logits: torch.Tensor, tree: DraftTree, ancestors: torch.Tensor, seen: torch.Tensor | None,
+                 s: Sampling, gen: torch.Generator | None) -> torch.Tensor:
+        """The target's choice y [B, N] at every node of a verified tree (logits [B, N, V]): the repetition
+        penalty over what each node follows, then the verifier's rule."""
+        if seen is not None:
+            logits = penalized(logits, tree, ancestors, seen, s.repetition_penalty)
+        return self.verifier(logits, tree, s, gen)
 
     def _select(self, candidates: Candidates, levels: int, planner: Planner | None) -> DraftTree:
         """Which candidates the target verifies: the planner's count, the fixed total_tokens, or a static tree."""
