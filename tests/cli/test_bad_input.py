@@ -3,6 +3,7 @@ expected exit status, one line naming the problem (no traceback), and every file
 
 from __future__ import annotations
 
+import argparse
 import re
 import shutil
 import subprocess
@@ -66,11 +67,37 @@ def test_console_script_answers_the_same(name, eyas, assets, tmp_path):
         script.returncode, script.stderr.splitlines()[-1].replace("/script", ""))
 
 
+def _commands(parser=None, prefix=()) -> list[tuple[str, ...]]:
+    """Every command `eyas` offers, as its words (("generate",), ("data", "prepare"), ...), from the real parser."""
+    from eyas.inference.cli import build_parser
+
+    parser = parser or build_parser()
+    subs = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    if not subs:
+        return [prefix]
+    return [c for name, sub in subs[0].choices.items() for c in _commands(sub, (*prefix, name))]
+
+
+MIN_CASES = 3  # per command (chat has the fewest): a command added without its bad inputs fails here
+RANGE = re.compile(r"at least \d|>= ?\d|> ?0|\(0, 1|\[0, 1|non-negative")  # how a message states the valid values
+
+
 def test_totals():
-    """Printed with -s: the corpus size per command, for the record."""
-    per = Counter(c.id.split("-")[0] for c in CASES)
+    """Every command has its share of the corpus (printed with -s, for the record), every out-of-range value's
+    message names the setting and its valid range (the problem and the fix), and no message regex is so loose
+    that a line naming nothing would pass."""
+    commands = _commands()
+    per = Counter(next((" ".join(c) for c in commands if case.argv[:len(c)] == c), "(none)") for case in CASES)
     print(f"\n{len(CASES)} kinds: " + ", ".join(f"{k} {v}" for k, v in sorted(per.items())))
-    assert sum(per.values()) == len(CASES)
+    assert {" ".join(c): per[" ".join(c)] for c in commands if per[" ".join(c)] < MIN_CASES} == {}
+    out_of_range = [c for c in CASES if c.id.endswith(("-0", "-negative"))]
+    assert out_of_range  # the ids keep their convention, so the loop below checks something
+    for case in out_of_range:  # the setting is the last one on its command line: `--opt value` or `key=value`
+        setting = case.argv[-2] if case.argv[-2].startswith("--") else case.argv[-1].split("=")[0]
+        plain = case.match.replace("\\", "")
+        assert setting in plain and RANGE.search(case.match), (case.id, case.match)
+    vague = ["eyas generate: error: invalid input", "eyas data: error: something went wrong", "error", ""]
+    assert [c.id for c in CASES if any(re.search(c.match, line) for line in vague)] == []
 
 
 @pytest.mark.parametrize("how", ["flag", "env"])

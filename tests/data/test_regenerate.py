@@ -15,6 +15,8 @@ from eyas.data.chat_template import render_with_mask
 from eyas.data.hidden_cache import HiddenStateDataset, cache_hidden, stored_shards
 from eyas.data.regen_store import regenerate_jsonl
 from eyas.data.regenerate import RegenConfig, Scheduler, regenerate
+from tests.helpers.decisions import Draws, assert_same_regeneration, lines_by_id
+from tests.helpers.stored import assert_states_of_a_lone_forward
 from tests.helpers.tiny import tiny_target
 
 EOS = list(range(20, 60))  # many "end" ids so answers stop at different lengths and slots refill
@@ -39,6 +41,11 @@ def run(target, batch_size, layer_ids=None, prefill_tokens=4096, **cfg):
                        batch_size=batch_size, layer_ids=layer_ids, eos_ids=EOS, progress=False,
                        prefill_tokens=prefill_tokens, on_done=lambda job: done.__setitem__(job.id, job))
     return done, stats
+
+
+def answers(done):
+    """{id: (regenerated conversation, final answer's tokens)} of run's jobs."""
+    return {i: (job.out, job.generated) for i, job in done.items()}
 
 
 def at_nth_done(n, action):
@@ -66,13 +73,15 @@ def test_batched_greedy_equals_one_at_a_time(span_cost, monkeypatch):
     if span_cost is not None:
         monkeypatch.setattr("eyas.models.cpu_kernels.SPAN_CALL_COST", span_cost)
     target = tiny_target()
+    draws = Draws(monkeypatch)
+    single_draws = draws.start()
     single, _ = run(target, 1)
+    batched_draws = draws.start()
     batched, stats = run(target, 3)
     assert sorted(batched) == list(range(7))
     lengths = {len(j.generated) for j in batched.values()}
     assert len(lengths) > 1  # answers of different lengths: slots were refilled mid-batch
-    for i, job in single.items():
-        assert batched[i].out == job.out and batched[i].generated == job.generated
+    assert_same_regeneration(single_draws, batched_draws, answers(single), answers(batched))
     for job in batched.values():  # every turn kept its role; a conversation only ends early after a cut answer
         roles = [m["role"] for m in job.messages]
         assert [m["role"] for m in job.out] == roles[: len(job.out)] and job.out[-1]["role"] == "assistant"
@@ -86,15 +95,17 @@ def test_grouped_prefill_equals_one_prompt_at_a_time(monkeypatch):
     real = Scheduler._prefill
     monkeypatch.setattr(Scheduler, "_prefill", lambda self, rows, prompts: groups.append(
         (rows, [len(p) for p in prompts])) or real(self, rows, prompts))
+    draws = Draws(monkeypatch)
+    alone_draws = draws.start()
     alone, _ = run(target, 4, prefill_tokens=1)
     assert {len(rows) for rows, _ in groups} == {1}
     groups.clear()
+    grouped_draws = draws.start()
     grouped, _ = run(target, 4)
     rows, lengths = groups[0]
     assert len(rows) == 4 and len(set(lengths)) > 1  # the four first prompts (of different lengths) went in together
     assert rows == sorted(rows) and lengths == sorted(lengths, reverse=True)  # longest in the lowest row
-    for i, job in alone.items():
-        assert grouped[i].out == job.out and grouped[i].generated == job.generated
+    assert_same_regeneration(alone_draws, grouped_draws, answers(alone), answers(grouped))
 
 
 def test_captured_states_equal_a_bare_forward():
@@ -110,13 +121,16 @@ def test_captured_states_equal_a_bare_forward():
         torch.testing.assert_close(feats, ref.features[0], rtol=1e-4, atol=1e-4)
 
 
-def test_killed_and_resumed_equals_uninterrupted(tmp_path):
+def test_killed_and_resumed_equals_uninterrupted(tmp_path, monkeypatch):
     target = tiny_target()
     ds = datasets.Dataset.from_dict({"messages": conversations(), "problem": [""] * 5 + ["empty", ""]})
     cfg = RegenConfig(max_new_tokens=10, temperature=0.8, seed=3)
+    draws = Draws(monkeypatch)
+    full_draws = draws.start()
     regenerate_jsonl(target, ds, tmp_path / "full.jsonl", cfg, batch_size=3, eos_ids=EOS, progress=False)
 
     kill_after_three, seen = at_nth_done(3, kill)
+    resumed_draws = draws.start()
     with pytest.raises(KeyboardInterrupt):
         regenerate_jsonl(target, ds, tmp_path / "resumed.jsonl", cfg, batch_size=3, eos_ids=EOS, progress=False,
                          on_done=kill_after_three)
@@ -126,9 +140,9 @@ def test_killed_and_resumed_equals_uninterrupted(tmp_path):
     regenerate_jsonl(target, ds, tmp_path / "resumed.jsonl", cfg, batch_size=3, eos_ids=EOS, progress=False,
                      on_done=lambda job: repeated.append(job.id))
     assert not set(repeated) & set(seen) and len(repeated) == 6 - 3
-    full = sorted((tmp_path / "full.jsonl").read_text().splitlines())
-    resumed = sorted((tmp_path / "resumed.jsonl").read_text().splitlines())
-    assert resumed == full and len(full) == 6  # the bad row (id 5) is never regenerated
+    full, resumed = lines_by_id(tmp_path / "full.jsonl"), lines_by_id(tmp_path / "resumed.jsonl")
+    assert sorted(full) == [0, 1, 2, 3, 4, 6]  # the bad row (id 5) is never regenerated
+    assert_same_regeneration(full_draws, resumed_draws, full, resumed)
 
 
 def cache_rows(folder, target):
@@ -137,6 +151,19 @@ def cache_rows(folder, target):
     cached = HiddenStateDataset(folder, target)
     assert len(ids) == len(set(ids)) == len(cached)  # nothing stored twice
     return {i: cached[k] for k, i in enumerate(ids)}
+
+
+def tokens(rows):
+    """{dataset id: (input_ids, loss_mask)} of cache_rows: what must be exactly equal between runs."""
+    return {i: (item["input_ids"].tolist(), item["loss_mask"].tolist()) for i, item in rows.items()}
+
+
+def assert_states_alone(folder, target):
+    """Every state a regeneration stored in `folder` is that of a forward of its example alone."""
+    layer_ids = HiddenStateDataset(folder).layer_ids
+    for item in cache_rows(folder, target).values():
+        assert item["hidden"].dtype == torch.bfloat16
+        assert_states_of_a_lone_forward(item, target, layer_ids)
 
 
 def test_cache_written_while_regenerating_equals_cache_hidden_over_the_output(tmp_path):
@@ -178,9 +205,12 @@ def _uninterrupted(tmp_path, shard_examples: int):
     return target, ds, cfg, kw
 
 
-def test_killed_and_resumed_with_cache_equals_uninterrupted(tmp_path):
+def test_killed_and_resumed_with_cache_equals_uninterrupted(tmp_path, monkeypatch):
+    draws = Draws(monkeypatch)
+    full_draws = draws.start()
     target, ds, cfg, kw = _uninterrupted(tmp_path, shard_examples=2)
 
+    resumed_draws = draws.start()
     with pytest.raises(KeyboardInterrupt):
         regenerate_jsonl(target, ds, tmp_path / "resumed.jsonl", cfg, cache_hidden=tmp_path / "resumed",
                          on_done=at_nth_done(5, kill)[0], **kw)
@@ -194,22 +224,22 @@ def test_killed_and_resumed_with_cache_equals_uninterrupted(tmp_path):
     regenerate_jsonl(target, ds, tmp_path / "resumed.jsonl", cfg, cache_hidden=tmp_path / "resumed",
                      on_done=lambda job: repeated.append(job.id), **kw)
     assert sorted(repeated) == sorted(set(range(7)) - {5} - set(in_shards))  # only what no shard held
-    full = sorted((tmp_path / "full.jsonl").read_text().splitlines())
-    assert sorted((tmp_path / "resumed.jsonl").read_text().splitlines()) == full and len(full) == 6
+    full = lines_by_id(tmp_path / "full.jsonl")
+    assert sorted(full) == [0, 1, 2, 3, 4, 6]
+    parted = assert_same_regeneration(full_draws, resumed_draws, full, lines_by_id(tmp_path / "resumed.jsonl"))
     want, got = cache_rows(tmp_path / "full", target), cache_rows(tmp_path / "resumed", target)
-    assert sorted(got) == sorted(want) == [0, 1, 2, 3, 4, 6]
-    for i in want:
-        assert torch.equal(got[i]["input_ids"], want[i]["input_ids"])
-        assert torch.equal(got[i]["loss_mask"], want[i]["loss_mask"])
-        assert got[i]["hidden"].dtype == torch.bfloat16
-        for k in ("hidden", "features"):  # bf16 storage of fp32 states from different batch compositions
-            torch.testing.assert_close(got[i][k].float(), want[i][k].float(), rtol=2e-2, atol=2e-2)
+    assert assert_same_regeneration(full_draws, resumed_draws, tokens(want), tokens(got)) == parted
+    for folder in ("full", "resumed"):  # bf16 storage of fp32 states from different batch compositions
+        assert_states_alone(tmp_path / folder, target)
     with pytest.raises(ValueError, match="not in the hidden-state cache"):
         regenerate_jsonl(target, ds, tmp_path / "full.jsonl", cfg, cache_hidden=tmp_path / "other", **kw)
 
 
-def test_ctrl_c_stores_the_finished_and_a_rerun_with_a_larger_limit_extends(tmp_path):
+def test_ctrl_c_stores_the_finished_and_a_rerun_with_a_larger_limit_extends(tmp_path, monkeypatch):
+    draws = Draws(monkeypatch)
+    full_draws = draws.start()
     target, ds, cfg, kw = _uninterrupted(tmp_path, shard_examples=3)
+    out_draws = draws.start()
 
     first5 = ds.select(range(5))  # `--limit 5`
     handlers = [signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)]
@@ -228,15 +258,13 @@ def test_ctrl_c_stores_the_finished_and_a_rerun_with_a_larger_limit_extends(tmp_
     assert stats.stopped_by is None and stats.stored == 5
     assert sorted(j.id for j in repeated) == sorted(set(range(5)) - set(seen))
     regenerate_jsonl(target, ds, tmp_path / "out.jsonl", cfg, cache_hidden=tmp_path / "c", **kw)  # a larger limit
-    full = sorted((tmp_path / "full.jsonl").read_text().splitlines())
-    assert sorted((tmp_path / "out.jsonl").read_text().splitlines()) == full
+    full = lines_by_id(tmp_path / "full.jsonl")
+    assert sorted(full) == [0, 1, 2, 3, 4, 6]
+    parted = assert_same_regeneration(full_draws, out_draws, full, lines_by_id(tmp_path / "out.jsonl"))
     want, got = cache_rows(tmp_path / "full", target), cache_rows(tmp_path / "c", target)
-    assert sorted(got) == sorted(want) == [0, 1, 2, 3, 4, 6]
-    for i in want:
-        assert torch.equal(got[i]["input_ids"], want[i]["input_ids"])
-        assert torch.equal(got[i]["loss_mask"], want[i]["loss_mask"])
-        for k in ("hidden", "features"):  # bf16 storage of fp32 states from different batch compositions
-            torch.testing.assert_close(got[i][k].float(), want[i][k].float(), rtol=2e-2, atol=2e-2)
+    assert assert_same_regeneration(full_draws, out_draws, tokens(want), tokens(got)) == parted
+    for folder in ("full", "c"):  # bf16 storage of fp32 states from different batch compositions
+        assert_states_alone(tmp_path / folder, target)
 
 
 @pytest.mark.parametrize("keep", [False, True])
@@ -260,7 +288,7 @@ def test_a_stop_drops_or_keeps_the_answers_in_flight_and_counts_them(tmp_path, k
         n = len(got[i]["input_ids"])
         assert n < len(want[i]["input_ids"]) and torch.equal(got[i]["input_ids"], want[i]["input_ids"][:n])
         assert got[i]["hidden"].shape[0] == n
-        torch.testing.assert_close(got[i]["hidden"].float(), want[i]["hidden"][:n].float(), rtol=2e-2, atol=2e-2)
+        assert_states_of_a_lone_forward(got[i], target, HiddenStateDataset(tmp_path / "c").layer_ids)
     assert stats.cut_by_stop_tokens > 0
     repeated = []  # a rerun regenerates only what the stop dropped: the cut answers stay as they are
     regenerate_jsonl(target, ds, tmp_path / "out.jsonl", cfg, cache_hidden=tmp_path / "c",

@@ -1,15 +1,15 @@
 import json
 
-import numpy as np
 import pytest
 import torch
 
 from eyas.inference import bench
 from eyas.inference.bench import Question, load_questions, run_bench
 from eyas.inference.bench_report import accept_rate_per_position, format_table, summarize
-from eyas.inference.sampling import Sampling
 from eyas.models import DraftHead, save_head
 from eyas.models.head_config import head_config_for
+from eyas.models.sampling import Sampling
+from tests.helpers.plots import assert_plotted
 from tests.helpers.tiny import tiny_target
 from tests.helpers.train import write_target
 
@@ -47,15 +47,6 @@ def saved_pair(tmp_path, pair):
 
 
 SMALL_TREE = dict(depth=3, top_k=2, total_tokens=6)
-
-
-def assert_plotted(path):
-    """The report's figure decodes as an image and holds more than its background (its panels were drawn)."""
-    import matplotlib.image
-
-    pixels = matplotlib.image.imread(path)
-    assert pixels.ndim == 3 and pixels.shape[0] > 100 and pixels.shape[1] > 100
-    assert len(np.unique(pixels.reshape(-1, pixels.shape[-1]), axis=0)) > 10
 
 
 def _write(path, rows):
@@ -167,6 +158,7 @@ def test_cli_writes_report_and_prints_table(tmp_path, saved_pair, capsys):
     assert report["overall"]["questions"] == 2 and report["overall"]["exact_match_fraction"] == 1.0
     assert report["settings"]["tree"]["kind"] == "chain"
     assert "overall" in out and "writing" in out and str(tmp_path / "r.png") in out
+    assert_plotted(tmp_path / "r.png")
 
 
 def test_cli_repeats_against_eyas_plain_without_generate(tmp_path, saved_pair, capsys):
@@ -236,7 +228,8 @@ def test_demo_distils_trains_exports_and_benches(tmp_path, capsys):
     report = json.loads((tmp_path / "run" / "bench" / "report.json").read_text())
     assert report["overall"]["questions"] == 2 and report["overall"]["exact_match_fraction"] == 1.0
     assert "prompt_lookup_speedup" in report["overall"]
-    assert (tmp_path / "head" / "config.json").is_file() and (tmp_path / "run" / "bench" / "report.png").is_file()
+    assert (tmp_path / "head" / "config.json").is_file()
+    assert_plotted(tmp_path / "run" / "bench" / "report.png")
     assert f"head:   {tmp_path / 'head'}" in out and "$ eyas export" in out
 
 

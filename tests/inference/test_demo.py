@@ -13,6 +13,7 @@ import torch
 
 from eyas.inference.cli import main
 from eyas.inference.main_job import QUICK
+from tests.helpers.plots import assert_plotted
 from tests.helpers.train import TINY_CONFIG, write_conversations, write_target
 
 # five categories: the quick plan's one question per category, four of them
@@ -50,7 +51,8 @@ def test_quick_demo_reaches_every_step_at_its_sizes_and_says_it_is_a_smoke_run(t
     report = json.loads((run / "bench" / "report.json").read_text())
     assert report["overall"]["questions"] == QUICK.limit < len(QUESTIONS)
     assert report["settings"]["max_new_tokens"] == QUICK.max_new_tokens
-    assert "smoke run" in report["settings"]["note"] and (run / "bench" / "report.png").is_file()
+    assert "smoke run" in report["settings"]["note"]
+    assert_plotted(run / "bench" / "report.png")
     note = QUICK.note()
     assert out.startswith(note) and out.rstrip().endswith(note)  # said before it starts and after the table
     table = out[out.index("$ eyas bench"):]

@@ -9,9 +9,10 @@ import pytest
 import torch
 
 from eyas.inference import SpeculativeGenerator, TreeOptions
+from eyas.inference.costs import CostModel
 from eyas.models.masks import after_history
 from tests.helpers.families import FAMILIES, WINDOW, family_target
-from tests.helpers.inference import NO_EOS, OracleHead, make_head
+from tests.helpers.inference import NO_EOS, OracleHead, assert_drafts_verified, make_head
 
 NEW = 20  # new tokens per prompt
 LENGTHS = (13, 21, 10)  # prompt lengths: every prompt is longer than the windows, rows differ in length
@@ -65,9 +66,14 @@ def test_greedy_matches_generate(family, case):
 def test_greedy_matches_generate_with_a_random_head_and_the_planner(family):
     target, refs = setup(family)
     head = make_head(target, FAMILIES[family].head)
-    gen = SpeculativeGenerator(target, head, TreeOptions(total_tokens="auto", depth=4))
+    # fixed costs under which trees pay: the planner's trees then follow the head's confidence, not how loaded this
+    # machine is (measured costs may make every cycle plain decoding)
+    gen = SpeculativeGenerator(target, head, TreeOptions(total_tokens="auto", depth=4),
+                               costs=CostModel(1.0, 0.01, 1.0, 0.001, learn=False))
     results = gen.generate_batch(PROMPTS, max_new_tokens=NEW, **NO_EOS)
     assert [r.tokens for r in results] == [ref[len(p):] for p, ref in zip(PROMPTS, refs)]
+    assert_drafts_verified(results, accepted=False)  # a random head
+    assert len({n for r in results for n in r.stats.drafted}) > 2  # trees of several sizes, as the planner chose
 
 
 @pytest.mark.parametrize("family", FAMILIES)

@@ -31,6 +31,7 @@ from eyas.inference.runtimes_vllm import (
 )
 from eyas.models import DraftHead, Target, save_head
 from eyas.models.head_config import head_config_for
+from tests.helpers.plots import assert_plotted
 from tests.helpers.tiny import tiny_target, tiny_tokenizer
 from tests.helpers.train import write_target
 
@@ -212,7 +213,7 @@ def test_bench_reports_vllm_beside_eyas(tmp_path, monkeypatch, capsys):
     assert o["vllm_accept_rate_per_position"] == [pytest.approx(2 / 4), pytest.approx(1 / 2)]
     assert o["vllm_exact_match_fraction"] == 1.0 and o["vllm_speedup_over_plain"] == pytest.approx(2.0)
     assert report["settings"]["vllm"]["version"] == "0.0-standin"
-    assert (tmp_path / "r.png").stat().st_size > 0
+    assert_plotted(tmp_path / "r.png")
     from eyas.inference.bench import format_table
 
     assert "vLLM 0.0-standin, same head: tau 1.75" in format_table(report)
