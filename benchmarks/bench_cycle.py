@@ -40,7 +40,7 @@ def measure(args: argparse.Namespace) -> dict[str, float]:
     from eyas.models import DraftHead, Target, head_config_for
 
     try:
-        from eyas.inference.sampling import Sampling
+        from eyas.models.sampling import Sampling
     except ImportError:  # older revisions kept it beside the acceptance rule
         from eyas.inference.acceptance import Sampling
     if args.threads:

@@ -128,7 +128,7 @@ def engine_overhead(target, questions, args: argparse.Namespace) -> None:
     from eyas.inference.bench import load_questions, plain_decode, prompt_ids
     from eyas.inference.costs import CostModel
     from eyas.inference.planner import Planner
-    from eyas.inference.sampling import Sampling
+    from eyas.models.sampling import Sampling
 
     gen = SpeculativeGenerator(target, load_head("random", target), TreeOptions(lookup=0))
     gen.planner = Planner(CostModel(1.0, 0.1, 1.0, 0.05, learn=False), gen.options.depth, margin=0.0, slack=0.0)

@@ -25,10 +25,10 @@ from typing import Callable, Iterable, Sequence
 import torch
 from tqdm.auto import tqdm
 
-from eyas.inference.sampling import Sampling, choose
 from eyas.models.errors import InputError
 from eyas.models.kv_cache import KVCache
 from eyas.models.masks import after_history, causal
+from eyas.models.sampling import Sampling, choose
 from eyas.models.signals import GracefulStop
 from eyas.models.target import Target
 

@@ -7,7 +7,7 @@ import importlib
 
 _EXPORTS = {
     "SpeculativeGenerator": "generator", "GenerationResult": "generator", "GenerationStats": "generator",
-    "TreeOptions": "drafter", "DraftTree": "tree", "Sampling": "sampling", "CostModel": "costs",
+    "TreeOptions": "drafter", "DraftTree": "tree", "CostModel": "costs",
 }
 __all__ = sorted(_EXPORTS)
 

@@ -29,7 +29,8 @@ from typing import Callable
 
 import torch
 
-from .sampling import Sampling, choose, penalize
+from eyas.models.sampling import Sampling, choose, penalize
+
 from .tree import DraftTree, path_to
 
 # A verifier maps the target's logits over a tree to its choice y at every node; tests inject biased ones.

@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import logging
 import os
 import sys
 import textwrap
+
+from eyas.models.logs import show_library_logs
 
 # (module, subcommands it registers) in the order `eyas --help` lists them.
 COMMAND_MODULES = ["eyas.data.cli", "eyas.train.cli", "eyas.models.cli", "eyas.inference.commands"]
@@ -58,16 +59,6 @@ def build_parser() -> argparse.ArgumentParser:
     for name in COMMAND_MODULES:
         importlib.import_module(name).register(sub)
     return parser
-
-
-def show_library_logs(stream) -> None:
-    """The library reports through `logging`; a command shows its INFO lines (progress notes, measured costs)."""
-    root = logging.getLogger("eyas")
-    if not root.handlers:
-        handler = logging.StreamHandler(stream)
-        handler.setFormatter(logging.Formatter("%(message)s"))
-        root.addHandler(handler)
-        root.setLevel(logging.INFO)
 
 
 def main(argv: list[str] | None = None) -> int:

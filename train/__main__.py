@@ -14,8 +14,8 @@ def main() -> None:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     add_arguments(parser)
     args = parser.parse_args()
-    from eyas.inference.cli import show_library_logs
     from eyas.models.errors import EyasError
+    from eyas.models.logs import show_library_logs
 
     show_library_logs(sys.stdout)  # under a launcher, each run's notes beside accelerate's own on stdout
 

@@ -8,10 +8,10 @@ from transformers import GenerationConfig, RepetitionPenaltyLogitsProcessor
 
 from eyas.inference import SpeculativeGenerator, TreeOptions
 from eyas.inference.acceptance import penalized
-from eyas.inference.sampling import Sampling
-from eyas.inference.sampling import distribution as target_distribution
 from eyas.inference.tree import DraftTree
 from eyas.models import DraftHead, head_config_for
+from eyas.models.sampling import Sampling
+from eyas.models.sampling import distribution as target_distribution
 from tests.helpers.families import FAMILIES, POST_PROCESSING, family_target
 from tests.helpers.inference import NO_EOS, OracleHead, always_accept_first_child, greedy
 from tests.helpers.tiny import tiny_target

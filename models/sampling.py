@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from eyas.models.errors import InputError
+from .errors import InputError
 
 logger = logging.getLogger(__name__)
 
