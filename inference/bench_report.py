@@ -219,6 +219,8 @@ def format_table(report: dict[str, Any]) -> str:
     out.insert(len(out) - 1, "-" * len(out[0]))
     if note := report.get("settings", {}).get("note"):
         out.insert(0, note)
+    if dtype_note := report.get("settings", {}).get("dtype_note"):
+        out.append(dtype_note)
     repeats = report.get("settings", {}).get("repeats", 1)
     against = "eyas's own plain decoding" if ref == "eyas_plain" else "generate"
     o = report["overall"]

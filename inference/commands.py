@@ -121,9 +121,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--head-out", default=None, help="where the exported head goes (default: heads/<config name>, "
                    "+ -quick with --quick; with --out: DIR/export)")
     p.add_argument("--report", default=None, help="bench report path (default: <run folder>/bench/report.json)")
-    p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"],
-                   help="bench dtype (default fp32, where greedy outputs must equal plain generate exactly; "
-                   "bf16 is faster on most machines but not bit-identical)")
+    p.add_argument("--dtype", default="auto", choices=["auto", "fp32", "bf16"],
+                   help="the target's dtype in every step (default auto: bf16 on a GPU and on a CPU with native bf16 "
+                   "(AMX, AVX512-BF16), else fp32; fp32 for greedy outputs token-identical to generate)")
     p.add_argument("--limit", type=non_negative, default=None,
                    help=f"bench only the first N questions (default: all; --quick: {QUICK.limit})")
     p.add_argument("--per-category", type=positive, default=None, metavar="N",
@@ -161,16 +161,22 @@ def _add_model_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default=None, help="where target and head run: cpu, cuda, cuda:N, or auto (the target "
                    "split over every visible GPU); default cuda when a GPU is visible, else cpu")
     p.add_argument("--dtype", default="auto", choices=["auto", "fp32", "bf16"],
-                   help="target and head dtype (default auto: bf16 on a GPU, fp32 on a CPU, where greedy output is "
-                   "exactly the target's)")
+                   help="target and head dtype (default auto: bf16 on a GPU and on a CPU with native bf16 "
+                   "(AMX, AVX512-BF16), else fp32; fp32 for greedy output token-identical to generate)")
     add_tree_options(p)
 
 
 def _placement(args: argparse.Namespace) -> None:
-    """Fill in --device and --dtype defaults (the dtype follows the device)."""
-    from eyas.models.loading import placement
+    """Fill in --device and --dtype defaults (the dtype follows the device and what its CPU computes natively) and
+    say which dtype runs and why, on stderr."""
+    import sys
 
+    from eyas.models.loading import dtype_note, placement
+
+    requested = args.dtype
     args.device, args.dtype = placement(args.device, args.dtype)
+    args.dtype_note = dtype_note(args.device, requested, args.dtype)
+    print(f"eyas {args.command}: {args.dtype_note}", file=sys.stderr)
 
 
 def _add_sampling_options(p: argparse.ArgumentParser) -> None:
@@ -302,7 +308,8 @@ def _bench(args: argparse.Namespace) -> int:
                        dtype=args.dtype, device=args.device, limit=args.limit, per_category=args.per_category,
                        threads=args.threads,
                        prompt_lookup=args.prompt_lookup, eyas_plain=args.eyas_plain, out=args.out, vllm=vllm,
-                       repeats=args.repeats, generate=not args.no_generate, note=args.note, **tree_options(args))
+                       repeats=args.repeats, generate=not args.no_generate, note=args.note,
+                       dtype_note=args.dtype_note, **tree_options(args))
     print(format_table(report))
     print(f"report: {args.out}\nplot:   {Path(args.out).with_suffix('.png')}")
     if stopped := report["settings"].get("stopped"):

@@ -89,7 +89,7 @@ QUICK = DemoPlan(
 def run_main_job(
     config: str | os.PathLike, questions: str | os.PathLike, plan: DemoPlan = FULL,
     head_out: str | os.PathLike | None = None, out: str | os.PathLike | None = None,
-    report: str | os.PathLike | None = None, dtype: str = "fp32", overrides: Sequence[str] = (),
+    report: str | os.PathLike | None = None, dtype: str = "auto", overrides: Sequence[str] = (),
 ) -> int:
     """Run [regenerate ->] train -> export -> bench at the plan's sizes; returns the exit status of the first failing
     step, else 0.
@@ -105,7 +105,8 @@ def run_main_job(
     config = _find_config(config)
     base = load_config(config, [*plan.overrides(), *overrides])
     run_dir = Path(out) if out is not None else Path(base.output_dir + plan.suffix)
-    overrides = [*plan.overrides(), f"output_dir={run_dir}", *overrides]
+    # every step runs the target in one dtype (the head trains on the states it will draft from)
+    overrides = [*plan.overrides(), f"output_dir={run_dir}", f"target.dtype={dtype}", *overrides]
     run = load_config(config, overrides)  # the user's own output_dir= wins
     run_dir = Path(run.output_dir)
     if head_out is None:
@@ -121,7 +122,7 @@ def run_main_job(
                       "--out", str(data), "--cache-hidden", str(cache), "--head-type", run.head.type,
                       "--limit", str(distill.conversations), "--max-turns", "1",
                       "--max-new-tokens", str(distill.max_new_tokens), "--max-length", str(distill.max_length),
-                      "--batch-size", str(distill.batch_size), "--dtype", "fp32",
+                      "--batch-size", str(distill.batch_size), "--dtype", dtype,
                       *(["--keep-in-flight"] if plan.keep_in_flight else []),
                       *(["--layers", ",".join(map(str, layers))] if (layers := run.head.fused_layer_ids) else [])])
         overrides += [f"data.source={data}", "data.hidden_states=offline", f"data.cache_dir={cache}"]

@@ -7,7 +7,8 @@ hub id (needs a network).
 
 Devices and dtypes: the default device is CUDA when one is visible, else the CPU; `auto` splits the model over
 every visible GPU (transformers' device_map="auto"). The default dtype follows the device: bf16 on a GPU (with TF32
-for what stays fp32), fp32 on a CPU (CPUs without native bf16 run it slower). Weights are loaded straight onto
+for what stays fp32) and on a CPU with native bf16 matrix instructions (AMX, AVX512-BF16), fp32 on other CPUs
+(they emulate bf16, slower than fp32). Weights are loaded straight onto
 their device by transformers (no whole copy in host memory first); `decoder=False` leaves the decoder layers on the
 meta device (never read from disk), for users that need only the embedding, the lm_head and what runs after the
 decoder (`Target.logits`: offline training); `distributed` hands transformers a `DistributedConfig`, so each
@@ -187,9 +188,34 @@ def resolve_device(device: str | torch.device | None) -> str:
     return device
 
 
+def native_bf16() -> str | None:
+    """The instructions this CPU multiplies bf16 matrices with ("AMX-BF16", "AVX512-BF16"), None where it has none
+    (AVX2-only CPUs emulate bf16 through fp32, slower than fp32 itself)."""
+    capabilities = torch.cpu.get_capabilities() if hasattr(torch.cpu, "get_capabilities") else {}
+    for flag, name in (("amx_bf16", "AMX-BF16"), ("avx512_bf16", "AVX512-BF16")):
+        if capabilities.get(flag):
+            return name
+    return None
+
+
 def default_dtype(device: str | torch.device) -> str:
-    """bf16 on GPUs, fp32 on CPUs (fp32 is the fast dtype of CPUs without native bf16)."""
-    return "fp32" if str(device).startswith("cpu") else "bf16"
+    """What `auto` means on `device`: bf16 on GPUs and on CPUs that compute bf16 natively (a draft tree's verify then
+    costs little more than one token's), fp32 on other CPUs (their fastest dtype). fp32 is what greedy output is
+    token-identical to `generate` in; bf16 rounds a tree forward differently from one-token steps."""
+    if not str(device).startswith("cpu"):
+        return "bf16"
+    return "bf16" if native_bf16() else "fp32"
+
+
+def dtype_note(device: str | torch.device, requested: str | torch.dtype | None, dtype: str | torch.dtype) -> str:
+    """One line saying which dtype runs and why: what `auto` chose on this device, or that it was asked for."""
+    if requested not in (None, "auto"):
+        return f"dtype {dtype} (asked for)"
+    if not str(device).startswith("cpu"):
+        return f"dtype {dtype} (auto: a GPU)"
+    found = native_bf16()
+    return (f"dtype {dtype} (auto: this CPU computes bf16 natively with {found}; --dtype fp32 for output "
+            "token-identical to generate)" if found else f"dtype {dtype} (auto: this CPU has no native bf16)")
 
 
 def placement(device: str | torch.device | None, dtype: str | torch.dtype | None) -> tuple[str, str | torch.dtype]:

@@ -467,8 +467,8 @@ class Target(nn.Module):
              cpu_kernels: bool = True, decoder: bool = True) -> "Target":
         """From a local HF folder, a `.gguf` file, the alias `smollm2-135m`, or a hub id, loaded straight onto
         `device` (None: CUDA when visible, else CPU; `auto`: split over every visible GPU) in `dtype` (`auto`: bf16
-        on a GPU, fp32 on a CPU). decoder=False leaves the decoder layers unloaded, on the meta device: enough for
-        the embedding, the lm_head and `logits` (offline training), not for `forward`."""
+        on a GPU and on a CPU with native bf16, else fp32). decoder=False leaves the decoder layers unloaded, on the
+        meta device: enough for the embedding, the lm_head and `logits` (offline training), not for `forward`."""
         from .loading import load_model_and_tokenizer, placement
 
         device, dtype = placement(device, dtype)

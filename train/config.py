@@ -24,18 +24,25 @@ from eyas.models.errors import ConfigError, MissingInput
 class TargetConfig:
     # Local HF folder, .gguf file, hub id, or the alias `smollm2-135m`.
     spec: str = "smollm2-135m"
-    # auto: bf16 on a GPU, fp32 on a CPU (no native bf16 there).
+    # auto: bf16 on a GPU and on a CPU with native bf16 (AMX, AVX512-BF16), fp32 on other CPUs.
     dtype: Literal["auto", "fp32", "bf16"] = "auto"
 
 
 @dataclass(frozen=True)
 class HeadSection:
-    type: Literal["eagle1", "eagle3"] = "eagle3"
-    num_layers: int = 1
-    # EAGLE-3 only: size of the reduced output vocabulary (null = full target vocab, no vocab map).
+    # The drafter algorithm (models/drafters): eagle1, eagle3 (EAGLE-3 and its 3.1 norms as options) or peagle
+    # (parallel drafting).
+    type: str = "eagle3"
+    # Decoder layers (null: the algorithm's default, 1 for EAGLE-1/3, 4 for P-EAGLE).
+    num_layers: int | None = None
+    # Algorithms with an lm_head of their own (eagle3, peagle): size of the reduced output vocabulary (null = full
+    # target vocab, no vocab map).
     draft_vocab_size: int | None = None
-    # EAGLE-3 only: target layers whose inputs are fused (null = 2, N//2, N-3).
+    # Target layers whose inputs are fused (null: the algorithm's default, e.g. 2, N//2, N-3 for EAGLE-3).
     fused_layer_ids: tuple[int, ...] | None = None
+    # The algorithm's own settings (the Options of models/drafters/<type>.py), e.g. {fc_norm: true, norm_output:
+    # true} for EAGLE-3.1 or {depths: 8} for P-EAGLE.
+    options: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -152,8 +159,8 @@ class DistributedConfig:
 class RunConfig:
     output_dir: str = "runs/default"
     seed: int = 0
-    # The head's training precision: bf16 autocast or fp32 (TF32 matmuls on a GPU); auto: bf16 on a GPU, fp32 on
-    # a CPU.
+    # The head's training precision: bf16 autocast or fp32 (TF32 matmuls on a GPU); auto: bf16 on a GPU and on a
+    # CPU with native bf16 (AMX, AVX512-BF16), fp32 on other CPUs.
     precision: Literal["auto", "fp32", "bf16"] = "auto"
     target: TargetConfig = field(default_factory=TargetConfig)
     head: HeadSection = field(default_factory=HeadSection)
@@ -167,12 +174,21 @@ class RunConfig:
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
 
     def __post_init__(self) -> None:
+        from eyas.models.drafters import NAMES, algorithm
+        from eyas.models.errors import InputError
+
+        if self.head.type not in NAMES:
+            raise ConfigError(f"head.type {self.head.type!r} is not one of {', '.join(NAMES)}")
+        algo = algorithm(self.head.type)
+        try:
+            algo.options_from_dict(self.head.options)
+        except (InputError, TypeError) as e:
+            raise ConfigError(f"head.options: {e}") from None
         checks = [
-            (self.head.num_layers >= 1, "head.num_layers must be >= 1"),
-            (self.head.type == "eagle3" or self.head.draft_vocab_size is None,
-             "head.draft_vocab_size is for eagle3 heads (eagle1 predicts through the full lm_head); remove it"),
-            (self.head.type == "eagle3" or self.head.fused_layer_ids is None,
-             "head.fused_layer_ids is for eagle3 heads; remove it"),
+            (self.head.num_layers is None or self.head.num_layers >= 1, "head.num_layers must be >= 1"),
+            (algo.reduced_vocab or self.head.draft_vocab_size is None,
+             f"head.draft_vocab_size is for heads with an lm_head of their own (eagle3, peagle); a {self.head.type} "
+             "head predicts through the target's full lm_head: remove it"),
             (self.loss.ttt_steps >= 1, "loss.ttt_steps must be >= 1"),
             (self.batch.size >= 1 and self.batch.grad_accum >= 1, "batch.size and batch.grad_accum must be >= 1"),
             (self.data.max_length >= 4, "data.max_length must be >= 4"),
@@ -293,6 +309,8 @@ def _coerce(tp: Any, value: Any, key: str) -> Any:
     if tp is bool:
         if not isinstance(value, bool):
             raise ConfigError(f"{key} must be true or false, got {value!r}")
+        return value
+    if tp is Any:  # checked where it is used (head.options: by the algorithm's Options)
         return value
     if tp is str:
         if isinstance(value, (dict, list)) or value is None:
