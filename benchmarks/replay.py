@@ -49,9 +49,10 @@ def record(args: argparse.Namespace) -> None:
 
     from eyas.inference import SpeculativeGenerator, TreeOptions
     from eyas.inference.bench import load_questions, plain_decode, prompt_ids
-    from eyas.inference.drafter import DraftContext, DynamicExpansion, HeadDrafter
-    from eyas.inference.sampling import Sampling
+    from eyas.inference.drafter import DraftContext, DynamicExpansion
+    from eyas.inference.drafting import TreeDrafter
     from eyas.models import Target
+    from eyas.models.sampling import Sampling
 
     torch.set_num_threads(args.threads)
     target = Target.load(args.target)
@@ -82,7 +83,7 @@ def record(args: argparse.Namespace) -> None:
         with torch.no_grad():
             feats = target(torch.tensor([seq[:-1]], device=dev), logits=False, layer_ids=head.config.fused_layer_ids)
         feats = feats.features if head.config.fused_layer_ids else feats.hidden
-        drafter = HeadDrafter(head, DynamicExpansion(args.depth, args.top_k))
+        drafter = TreeDrafter(head, DynamicExpansion(args.depth, args.top_k))
         drafter.reset(1, len(seq) + args.depth + 4)
         # the prefill decides continuation[0]; draft j is rooted at continuation[j] (position n0 + j)
         n0 = len(ids)
@@ -155,16 +156,17 @@ def replay(rec: dict, q: dict, costs, planner) -> tuple[float, float]:
         want = cont[pos:]  # what the target produces after this cycle's root
         levels, head = 0, []  # head: the verified candidates as (token, parent: 0 the root, i the i-th of them)
         catchup = behind
-        if behind > 0 and planner.should_draft(context, behind):
+        plan = planner.plan(context, behind)
+        if behind > 0 and plan.draft:
             tokens, parents, scores, depth = (np.array(x) for x in q["drafts"][pos - 1])
             levels = 1
-            while levels < depth.max() and planner.keep_drafting(_frontier(scores, parents, depth, levels)):
+            while levels < depth.max() and plan.keep_drafting(_frontier(scores, parents, depth, levels)):
                 levels += 1
             m = int((depth <= levels).sum())  # the levels drafted: a prefix (parents come first)
             tokens, parents, scores, depth = tokens[:m], parents[:m], scores[:m], depth[:m]
             planner.observe_levels([(_frontier(scores, parents, depth, d).numpy(), scores[depth == d + 1][None])
-                                    for d in range(1, levels)])
-            n = planner.choose(torch.tensor(scores)[None], levels)
+                                    for d in range(1, levels)], context)
+            n = plan.choose(torch.tensor(scores)[None], levels)
             chosen = sorted(np.argsort(-scores, kind="stable")[:n].tolist())  # Candidates.best
             node = {c: k + 1 for k, c in enumerate(chosen)}
             head = [(int(tokens[c]), node.get(int(parents[c]), 0)) for c in chosen]
@@ -174,14 +176,14 @@ def replay(rec: dict, q: dict, costs, planner) -> tuple[float, float]:
         if index is not None:
             found, ngram = index.continuation(lookup)
             if ngram:
-                chain = found[: planner.lookup_sizes(len(head))[ngram - 1]]
+                chain = found[: plan.lookup_sizes(len(head))[ngram - 1]]
         accepted, extra = _accept(head, chain, want)
         gained = min(accepted + 1, len(want))
         if chain:
             planner.observe_lookup([len(chain)], [accepted_prefix(chain, want[:accepted])], [ngram])
         nodes = len(head) + extra
         draft_s, rest_s = costs.draft(levels, catchup), costs.verify(nodes, context)
-        planner.observe_cycle(nodes, levels, gained, draft_s, rest_s)
+        planner.observe_cycle(plan, nodes, levels, gained, draft_s, rest_s)
         seconds += draft_s + rest_s
         if index is not None:
             index.extend(want[:gained])

@@ -235,14 +235,17 @@ def calibrate(target: Target, drafter, prompt: Sequence[int], depth: int) -> Cos
     """The starting cost model of a cycle on this machine, measured on scratch caches filled with `prompt`."""
     from .drafter import DraftContext
 
+    # the draft's catch-up needs one token before the root: a one-token prompt is timed as two of it (the costs
+    # are refit from the real cycles as they run)
+    prompt = list(prompt) * (2 if len(prompt) < 2 else 1)
     costs = measure_target(target, prompt)
     plain_s = costs.pop(1)
     a, b = fit_cost(costs)
     dev = target.device
-    # a cycle's draft: the catch-up over one accepted token, then depth - 1 levels
+    # a cycle's draft: the catch-up over one accepted token, then the rest of the draft (depth - 1 levels of a tree,
+    # or one forward over the block)
     ids = torch.tensor([list(prompt)], device=dev)
-    out = target(ids[:, :-1], logits=False, layer_ids=drafter.head.config.fused_layer_ids)
-    features = out.features if drafter.head.config.fused_layer_ids else out.hidden
+    features = target(ids[:, :-1], logits=False, layer_ids=drafter.head.reads(target.num_layers)).features
     n = ids.shape[1] - 1
     drafter.reset(1, len(prompt) + 2 * depth + 4)
     # untimed: the prompt
@@ -251,9 +254,9 @@ def calibrate(target: Target, drafter, prompt: Sequence[int], depth: int) -> Cos
     clock = Stopwatch(dev)
     synchronize(dev)
     start = clock.mark()
-    drafter.draft(last, depth)
+    drafted = drafter.draft(last, depth)
     end = clock.mark()
-    model = CostModel(a, b, plain_s, clock.between(start, end) / depth)
+    model = CostModel(a, b, plain_s, clock.between(start, end) / drafted.forwards)
     logger.info("cycle costs on this machine to start from: plain forward %.1f ms, verify %.1f ms + %.2f ms/token, "
                 "draft step %.1f ms", 1e3 * plain_s, 1e3 * a, 1e3 * b, 1e3 * model.start["draft_step_s"])
     return model

@@ -1,13 +1,7 @@
-"""Drafting: one interface, one head drafter; static trees, chains and EAGLE-2 dynamic trees differ only in
-how the tree is expanded.
-
-Each cycle the generator hands the drafter a DraftContext: the tokens accepted since the head last ran
-and the target's features at their positions (EAGLE shift: tokens[t] is the token *after* the position
-whose feature is features[t]). The head drafter runs them through the head once (catch-up; they stay in
-its KV cache), then grows the tree level by level: the frontier nodes of a level go through the head as
-one batch that attends to the committed cache plus their own ancestors, as pending cache entries that
-are dropped once the draft is done. It returns every candidate it made (`Candidates`); which of them
-are verified is the caller's choice (the planner's, or TreeOptions' fixed size).
+"""Drafting's interface and data: what the drafter is given (`DraftContext`), what it returns (`Candidates`), the
+tree options, and how a tree is expanded level by level (static trees, chains and EAGLE-2 dynamic trees differ
+only there). The drafters themselves are in drafting.py; which candidates are verified is the caller's choice
+(the planner's, or TreeOptions' fixed size).
 """
 
 from __future__ import annotations
@@ -16,12 +10,8 @@ from dataclasses import dataclass, field
 from typing import Callable, Literal, Protocol, Sequence
 
 import torch
-from torch import nn
 
-from eyas.models import DraftHead
-from eyas.models.cpu_kernels import CpuLinear, cpu_linears
 from eyas.models.errors import InputError
-from eyas.models.masks import after_history, causal
 
 from .tree import DEFAULT_PATHS, DraftTree, chain_paths, check_paths
 
@@ -93,6 +83,14 @@ class DraftContext:
     positions: torch.Tensor  # [B, A] position ids of those features
     counts: list[int]  # [B]
 
+    def last(self) -> torch.Tensor:
+        """[B, 1] the column of each row's last real entry, whose token is the row's root."""
+        return torch.tensor([max(n - 1, 0) for n in self.counts], device=self.tokens.device)[:, None]
+
+    def roots(self) -> torch.Tensor:
+        """[B] each row's root: the last accepted token, which the target has not seen yet."""
+        return self.tokens.gather(1, self.last())[:, 0]
+
     def rows(self, index: list[int]) -> "DraftContext":
         """Only batch rows `index`."""
         i = torch.tensor(index, device=self.tokens.device)
@@ -135,6 +133,7 @@ class Candidates:
     # per level below the first: (scores of the frontier expanded [B, F], scores of its children [B, C])
     levels: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
     height: int | None = None  # levels drafted, when the drafter knows it on the host (None: read `depth`)
+    forwards: int = 0  # head forwards the draft took (a tree drafter: one per level; a parallel one: one)
 
     @property
     def size(self) -> int:
@@ -261,78 +260,3 @@ class StaticExpansion:
 
     def frontier(self, level, scores):
         return self._frontier[level].to(scores.device).expand(scores.shape[0], -1)
-
-
-class HeadDrafter:
-    """Drafts with an EAGLE head that keeps its own KV cache across cycles, column for column with the target's."""
-
-    def __init__(self, head: DraftHead, expansion: Expansion) -> None:
-        self.head = head
-        self.expansion = expansion
-        self.cache = None
-        # on CPU fp32 the head's linears run through eyas's weight copies (models/cpu_kernels.py): prepacked for
-        # levels of several frontier nodes (F.linear repacks per call; a 6-level draft of the demo head
-        # 85 -> 68 ms on one thread), the draft-vocab projection's [in, out] copy for one row (2.8 -> 1.6 ms)
-        self._linears = [CpuLinear(m, row_copy=m is getattr(head, "lm_head", None))
-                         for m in head.modules() if type(m) is nn.Linear]
-
-    def reset(self, batch: int, capacity: int) -> None:
-        self.cache = self.head.new_cache(batch, capacity)
-
-    def keep_rows(self, order: list[int]) -> None:
-        moved = self.cache.keep_rows(sorted(order))  # the target's cache made the same moves
-        assert moved == list(order), (moved, order)
-
-    @torch.no_grad()
-    def draft(self, ctx: DraftContext, depth: int | None = None,
-              keep_going: Callable[[torch.Tensor], bool] | None = None) -> Candidates:
-        head, exp, cache = self.head, self.expansion, self.cache
-        b, a = ctx.tokens.shape
-        dev = ctx.tokens.device
-        depth = min(depth or exp.depth, exp.depth)
-        # Catch-up: the new accepted tokens see the committed cache and each other causally.
-        allowed = after_history(cache.lengths, causal(a, dev).expand(b, a, a), cache.width + a)
-        last = torch.tensor([max(c - 1, 0) for c in ctx.counts], device=dev)[:, None]  # each row's root
-        with cpu_linears(self._linears, b * a):  # the frontier is the root: only its logits are needed
-            out = head(ctx.tokens, head.fuse(ctx.features), ctx.positions, allowed, cache, logits=last)
-        cache.commit(ctx.counts)
-        logits = out.logits  # [B, 1, Vd]
-        hidden = out.hidden.gather(1, last[..., None].expand(-1, -1, out.hidden.shape[-1]))
-        root_pos = ctx.positions.gather(1, last)
-        frontier_scores = torch.zeros(b, 1, device=dev)
-        frontier_node = torch.full((b, 1), -1, device=dev, dtype=torch.long)  # candidate index, -1 = root
-        frontier_anc = torch.zeros(b, 1, 0, dtype=torch.bool, device=dev)  # [B, F, E] over the pending entries
-        tokens, parents, scores, depths, levels = [], [], [], [], []
-        count = 0
-        for level in range(depth):
-            logq = torch.log_softmax(logits.float(), dim=-1)
-            par, draft_ids, score = exp.children(level, logq, frontier_scores)
-            if level > 0:
-                levels.append((frontier_scores, score))
-            tok = head.to_target_ids(draft_ids)
-            tokens.append(tok)
-            parents.append(frontier_node.gather(1, par))
-            scores.append(score)
-            depths.append(torch.full_like(tok, level + 1))
-            if level + 1 == depth:
-                break
-            nxt = exp.frontier(level, score)  # [B, F']
-            if keep_going is not None and not keep_going(score.gather(1, nxt)):
-                break
-            fpar = par.gather(1, nxt)
-            fh = hidden.gather(1, fpar[..., None].expand(-1, -1, hidden.shape[-1]))
-            f = nxt.shape[1]
-            # a parent's row already holds the parent and its ancestors; add each new node itself
-            anc = torch.cat([frontier_anc.gather(1, fpar[..., None].expand(-1, -1, frontier_anc.shape[2])),
-                             torch.eye(f, dtype=torch.bool, device=dev).expand(b, f, f)], dim=2)
-            allowed = after_history(cache.lengths, anc, cache.width + f)
-            with cpu_linears(self._linears, b * f):
-                out = head(tok.gather(1, nxt), fh, root_pos + level + 1, allowed, cache)
-            logits, hidden = out.logits, out.hidden
-            frontier_scores = score.gather(1, nxt)
-            frontier_node = count + nxt
-            frontier_anc = anc
-            count += tok.shape[1]
-        cache.rollback()
-        return Candidates(ctx.tokens.gather(1, last)[:, 0], torch.cat(tokens, 1), torch.cat(parents, 1),
-                          torch.cat(scores, 1), torch.cat(depths, 1), levels, height=len(tokens))

@@ -28,10 +28,12 @@ whatever the head or the text, a generation spends at most a share `margin` (plu
 beyond plain decoding, and a head that wins is never held back. The costs are the machine's own, refit
 as it runs, so the account follows what the machine actually does.
 
-Inputs and outputs are explicit: `begin()` per generation; before drafting `should_draft(context,
-catch-up)`; while drafting `keep_drafting(frontier scores)`; after drafting `choose(candidate scores,
-levels)` (how many nodes are verified) and `lookup_sizes(head nodes)` (the n-gram branch); after
-verifying `observe(...)`, `observe_levels(...)`, `observe_lookup(...)` and `observe_cycle(...)`.
+Inputs and decisions are explicit: `begin()` per generation; `plan(context, catch-up)` before each cycle returns
+its CyclePlan: `draft` (whether the head runs), then, as the cycle learns more, `keep_drafting(frontier scores)`,
+`choose(candidate scores, head forwards)` (how many nodes are verified) and `lookup_sizes(head nodes)` (the n-gram
+branch), spending the plan's own allowance. After verifying, `observe(...)`, `observe_levels(...)`,
+`observe_lookup(...)` and `observe_cycle(plan, ...)` teach the planner; only they (and `plan`'s probe schedule)
+change it.
 """
 
 from __future__ import annotations
@@ -99,11 +101,10 @@ class Planner:
         the head and the machine stays). The prefill is part of what plain decoding would spend as well."""
         self.excess = 0.0  # seconds speculative cycles spent beyond plain decoding of their tokens
         self.plain_equivalent = prefill_s  # seconds plain decoding would have spent on the prompt and every token
-        self.context, self.catchup, self.left, self.levels = 0, 1, 0.0, 1
 
-    def allowance(self) -> float:
-        """Seconds the next cycle may lose at worst without breaking the guarantee."""
-        plain = self.costs.verify(0, self.context)
+    def allowance(self, context: int) -> float:
+        """Seconds the next cycle, at `context` tokens, may lose at worst without breaking the guarantee."""
+        plain = self.costs.verify(0, context)
         return self.margin * self.plain_equivalent + self.slack * plain - self.excess
 
     @property
@@ -121,86 +122,35 @@ class Planner:
         return table[_bin(conf)]
 
     # ---- decisions ----------------------------------------------------------------------------
-    def should_draft(self, context: int, catchup: int) -> bool:
-        """Run the head this cycle, `context` tokens in the cache and `catchup` of them not yet seen by the head?
-        Yes while its trees beat plain decoding by more than the draft costs; otherwise only as a probe, at
+    def plan(self, context: int, catchup: int) -> "CyclePlan":
+        """The plan of the next cycle, `context` tokens in the cache and `catchup` of them not yet seen by the head:
+        whether the head drafts, and the allowance its later decisions (CyclePlan) spend.
+        Draft while its trees beat plain decoding by more than the draft costs; otherwise only as a probe, at
         intervals that double while drafting keeps not paying; never beyond the guard's allowance; and never
         for long without a plain cycle (`plain_every`, doubling while the cost model predicts them right),
         what the guard measures speculation against."""
-        self.context, self.catchup, self.levels = context, catchup, 1
         self.since_plain += 1
         if self.since_plain > self.plain_every:  # measure plain decoding again: it is what the guard measures against
-            self.left = -1.0
-            return False
-        self.left = self.allowance()
+            return CyclePlan(self, context, catchup, draft=False, left=-1.0)
+        left = self.allowance(context)
         c = self.costs
         draft = c.draft(round(self.typical_levels), catchup)
         worst = draft + c.verify(round(self.typical_nodes), context) - c.verify(0, context)
-        if worst > self.left:
-            return False  # a probe waits until it is affordable
+        if worst > left:  # a probe waits until it is affordable
+            return CyclePlan(self, context, catchup, draft=False, left=left)
         if self.advantage >= self.rate * draft:
-            return True
+            return CyclePlan(self, context, catchup, draft=True, left=left)
         self.since_probe += 1
         if self.since_probe < self.probe:
-            return False
+            return CyclePlan(self, context, catchup, draft=False, left=left)
         self.since_probe, self.probe = 0, min(2 * self.probe, self.max_probe)
-        return True
-
-    def keep_drafting(self, frontier_scores: torch.Tensor) -> bool:
-        """Draft one more level? frontier_scores [B, F]: the draft log-probabilities of the nodes it would expand.
-        Not beyond the guard's allowance: the levels drafted are spent whatever the verify then holds."""
-        self.levels += 1
-        if self.costs.draft(self.levels, self.catchup) > self.left:
-            return False
-        mass = float(self.accept_prob(frontier_scores.float().exp().cpu().numpy()).sum(1).mean())
-        step = self.costs.draft(2, self.catchup) - self.costs.draft(1, self.catchup)
-        return mass * self.level_earned / self.level_mass >= self.rate * step
-
-    def choose(self, scores: torch.Tensor, levels: int) -> int:
-        """How many candidates to verify (the most confident; one count for the batch, 0 = plain decoding).
-        scores [B, M]: every candidate's draft log-probability (its path confidence is exp(score));
-        levels: how many levels the draft made (its cost is spent whatever is verified)."""
-        conf = scores.float().exp().cpu().numpy()
-        p = -np.sort(-self.accept_prob(conf), axis=1)  # [B, M] descending
-        gain = np.concatenate([[0.0], np.cumsum(p, axis=1).mean(0)])  # [M + 1] expected extra tokens
-        cost = self.costs.verify(np.arange(len(gain)), self.context)
-        value = gain - self.rate * cost
-        best = int(np.argmax(value))
-        self.advantage = 0.9 * self.advantage + 0.1 * float(value[best] - value[0])
-        if self.advantage >= self.rate * self.costs.draft(levels, self.catchup):
-            self.probe = 2
-        self.left -= self.costs.draft(levels, self.catchup)  # spent
-        affordable = cost - cost[0] <= max(self.left, 0.0)  # worst case: none of them accepted
-        best = int(np.argmax(np.where(affordable, value, -np.inf)))
-        self.left -= cost[best] - cost[0]
-        return best
-
-    def lookup_sizes(self, head_nodes: int) -> list[int]:
-        """How many tokens of a lookup branch to graft onto a tree of `head_nodes` draft nodes, per match length
-        n = 1..max_ngram: the most expected tokens net of their verify cost (0: the branch does not pay),
-        within what is left of the guard's allowance. (Plain Python: it runs every cycle, plain ones too.)"""
-        length, w, rate = self.lookup_reached.shape[1], self.weight, self.rate
-        base = self.costs.verify(head_nodes, self.context)
-        extra = [self.costs.verify(head_nodes + m, self.context) - base for m in range(length + 1)]
-        left = max(self.left, 0.0)
-        sizes = []
-        for reached, passed in zip(self.lookup_reached.tolist(), self.lookup_passed.tolist()):
-            reach, gain, best, best_value = 1.0, 0.0, 0, 0.0
-            for m in range(1, length + 1):
-                if extra[m] > left:
-                    break
-                reach *= (passed[m - 1] + w * self.lookup_prior) / (reached[m - 1] + w)  # P(the first m accepted)
-                gain += reach
-                if gain - rate * extra[m] > best_value:
-                    best, best_value = m, gain - rate * extra[m]
-            sizes.append(best)
-        return sizes
+        return CyclePlan(self, context, catchup, draft=True, left=left)
 
     # ---- learning -----------------------------------------------------------------------------
-    def observe_levels(self, levels: Sequence[tuple[np.ndarray, np.ndarray]]) -> None:
+    def observe_levels(self, levels: Sequence[tuple[np.ndarray, np.ndarray]], context: int) -> None:
         """The levels a draft made below its first: (frontier scores [B, F] of the nodes expanded, scores [B, C] of
-        their children), as draft log-probabilities."""
-        per_node = self.costs.verify(2, self.context) - self.costs.verify(1, self.context)
+        their children), as draft log-probabilities; `context` tokens were in the cache."""
+        per_node = self.costs.verify(2, context) - self.costs.verify(1, context)
         for frontier, children in levels:
             frontier_conf, children_conf = np.exp(frontier), np.exp(children)
             net = np.maximum(0.0, self.accept_prob(children_conf) - self.rate * per_node).sum(1).mean()
@@ -216,21 +166,26 @@ class Planner:
         np.add.at(self.seen, i, 1.0)
         np.add.at(self.hits, i, on_path.astype(float))
 
-    def observe_cycle(self, nodes: int, levels: int, tokens: float, draft_s: float, rest_s: float) -> None:
-        """One cycle: the draft nodes it verified (head and lookup), the levels the head drafted (0: none),
-        tokens gained (mean per row), and its measured seconds: the draft, and the rest of the cycle."""
-        c = self.costs
+    def observe_cycle(self, plan: "CyclePlan", nodes: int, levels: int, tokens: float, draft_s: float,
+                      rest_s: float) -> None:
+        """One cycle run by `plan`: the draft nodes it verified (head and lookup), the head forwards its draft took
+        (0: none), tokens gained (mean per row), and its measured seconds: the draft, and the rest of the cycle."""
+        c, context, catchup = self.costs, plan.context, plan.catchup
+        if plan.advantage is not None:  # what the draft's tree was worth over plain decoding, as the plan judged it
+            self.advantage = 0.9 * self.advantage + 0.1 * plan.advantage
+            if self.advantage >= self.rate * c.draft(levels, catchup):
+                self.probe = 2
         if self.record is not None:  # what a replay needs to refit this machine's costs (benchmarks/replay.py)
-            self.record.append(dict(nodes=nodes, levels=levels, catchup=self.catchup, context=self.context,
+            self.record.append(dict(nodes=nodes, levels=levels, catchup=catchup, context=context,
                                     tokens=tokens, draft_s=draft_s, rest_s=rest_s))
-        surprise = abs(c.observe(nodes, levels, self.catchup, self.context, draft_s, rest_s))
+        surprise = abs(c.observe(nodes, levels, catchup, context, draft_s, rest_s))
         if not nodes and not levels:  # a plain cycle: re-measured less often while the model keeps agreeing
             self.plain_every = min(2 * self.plain_every, 256) if surprise < 0.1 else 16
             self.since_plain = 0
         elif surprise > 0.25:  # the machine may have changed pace: measure plain decoding again soon
             self.plain_every = min(self.plain_every, 16)
-        seconds = c.cycle(nodes, levels, self.catchup, self.context)
-        plain = c.verify(0, self.context)
+        seconds = c.cycle(nodes, levels, catchup, context)
+        plain = c.verify(0, context)
         self.tokens = self.rate_decay * self.tokens + tokens
         self.seconds = self.rate_decay * self.seconds + seconds
         self.plain_equivalent += tokens * plain
@@ -257,6 +212,70 @@ class Planner:
     def describe(self) -> dict[str, float]:
         """The cost model and where decoding stands, for reports."""
         return {**self.costs.describe(), "tokens_per_s_model": self.rate}
+
+
+class CyclePlan:
+    """One cycle's decisions, made as the cycle learns more (the head's scores after it drafted); it reads the
+    planner's learned state and changes none of it (observe_cycle learns from what the plan judged).
+
+    draft: the head drafts this cycle; left: the seconds the cycle may still lose at worst (the guard's allowance),
+    spent by the levels drafted and the nodes verified; advantage: what the chosen tree was judged worth over plain
+    decoding (tokens, net of its verify cost), None until `choose`."""
+
+    def __init__(self, planner: Planner, context: int, catchup: int, draft: bool, left: float) -> None:
+        self.planner, self.context, self.catchup, self.draft, self.left = planner, context, catchup, draft, left
+        self.levels = 1
+        self.advantage: float | None = None
+
+    def keep_drafting(self, frontier_scores: torch.Tensor) -> bool:
+        """Draft one more level? frontier_scores [B, F]: the draft log-probabilities of the nodes it would expand
+        (one read of the device). Not beyond the allowance: the levels drafted are spent whatever is verified."""
+        p, c = self.planner, self.planner.costs
+        self.levels += 1
+        if c.draft(self.levels, self.catchup) > self.left:
+            return False
+        mass = float(p.accept_prob(frontier_scores.float().exp().cpu().numpy()).sum(1).mean())
+        step = c.draft(2, self.catchup) - c.draft(1, self.catchup)
+        return mass * p.level_earned / p.level_mass >= p.rate * step
+
+    def choose(self, scores: torch.Tensor, forwards: int) -> int:
+        """How many candidates to verify (the most confident; one count for the batch, 0 = plain decoding).
+        scores [B, M]: every candidate's draft log-probability (its path confidence is exp(score); one read of the
+        device); forwards: the head forwards the draft took (spent whatever is verified)."""
+        p, c = self.planner, self.planner.costs
+        conf = scores.float().exp().cpu().numpy()
+        accept = -np.sort(-p.accept_prob(conf), axis=1)  # [B, M] descending
+        gain = np.concatenate([[0.0], np.cumsum(accept, axis=1).mean(0)])  # [M + 1] expected extra tokens
+        cost = c.verify(np.arange(len(gain)), self.context)
+        value = gain - p.rate * cost
+        self.advantage = float(value.max() - value[0])
+        self.left -= c.draft(forwards, self.catchup)  # spent
+        affordable = cost - cost[0] <= max(self.left, 0.0)  # worst case: none of them accepted
+        best = int(np.argmax(np.where(affordable, value, -np.inf)))
+        self.left -= cost[best] - cost[0]
+        return best
+
+    def lookup_sizes(self, head_nodes: int) -> list[int]:
+        """How many tokens of a lookup branch to graft onto a tree of `head_nodes` draft nodes, per match length
+        n = 1..max_ngram: the most expected tokens net of their verify cost (0: the branch does not pay),
+        within what is left of the allowance. (Plain Python: it runs every cycle, plain ones too.)"""
+        p = self.planner
+        length, w, rate = p.lookup_reached.shape[1], p.weight, p.rate
+        base = p.costs.verify(head_nodes, self.context)
+        extra = [p.costs.verify(head_nodes + m, self.context) - base for m in range(length + 1)]
+        left = max(self.left, 0.0)
+        sizes = []
+        for reached, passed in zip(p.lookup_reached.tolist(), p.lookup_passed.tolist()):
+            reach, gain, best, best_value = 1.0, 0.0, 0, 0.0
+            for m in range(1, length + 1):
+                if extra[m] > left:
+                    break
+                reach *= (passed[m - 1] + w * p.lookup_prior) / (reached[m - 1] + w)  # P(the first m accepted)
+                gain += reach
+                if gain - rate * extra[m] > best_value:
+                    best, best_value = m, gain - rate * extra[m]
+            sizes.append(best)
+        return sizes
 
 
 _BIN_CONF = np.exp(np.concatenate([[CONF_BINS[0] - 1], (CONF_BINS[1:] + CONF_BINS[:-1]) / 2, [0.0]]))  # bin centres

@@ -7,8 +7,9 @@ import importlib
 
 _EXPORTS = {
     "HeadConfig": "config", "TargetIdentity": "config", "default_fused_layer_ids": "config",
-    "check_head_matches": "config", "DraftHead": "head", "HeadOutput": "head", "KVCache": "kv_cache",
-    "Target": "target", "TargetOutput": "target", "head_config_for": "head_config",
+    "check_head_matches": "config", "DraftHead": "drafters.base", "HeadOutput": "drafters.base",
+    "algorithm": "drafters", "KVCache": "kv_cache",
+    "Sampling": "sampling", "Target": "target", "TargetOutput": "target", "head_config_for": "head_config",
     "save_head": "layouts", "load_head": "layouts", "export_head": "layouts",
     "EyasError": "errors", "InputError": "errors", "HeadTargetMismatch": "errors", "Unsupported": "errors",
 }

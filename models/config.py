@@ -8,12 +8,9 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
 from .errors import HeadTargetMismatch, InputError
-
-HeadType = Literal["eagle1", "eagle3"]
-HEAD_TYPES: tuple[str, ...] = ("eagle1", "eagle3")
 
 
 @dataclass(frozen=True)
@@ -30,9 +27,11 @@ class TargetIdentity:
 
 @dataclass(frozen=True)
 class HeadConfig:
-    """Shape of a draft head. Attention/MLP sizes default to the target's decoder layer."""
+    """Shape of a draft head, its algorithm and the algorithm's own settings. Attention/MLP sizes default to the
+    target's decoder layer (head_config.head_config_for)."""
 
-    head_type: HeadType
+    # The drafter algorithm (models/drafters): eagle1, eagle3, peagle, dflash.
+    head_type: str
     hidden_size: int
     intermediate_size: int
     num_attention_heads: int
@@ -40,11 +39,11 @@ class HeadConfig:
     head_dim: int
     # Target vocabulary (the ids the head's proposals are expressed in).
     vocab_size: int
-    # EAGLE-3 predicts over a reduced vocabulary mapped to target ids by d2t; EAGLE-1 uses
-    # the target's lm_head, so its draft vocab is the full vocab.
+    # Algorithms with an lm_head of their own may predict over a reduced vocabulary mapped to target ids by d2t;
+    # those that predict through the target's lm_head have the full vocab.
     draft_vocab_size: int
-    # Target layers whose *inputs* are fused by the EAGLE-3 fc (hidden_states[i] in HF terms);
-    # EAGLE-1 reads the final (normed) hidden state and leaves this empty.
+    # Target layers whose *inputs* are fused into the head's context (hidden_states[i] in HF terms; id N is the
+    # decoder's output after its final norm). Empty for algorithms that read the final hidden state (EAGLE-1).
     fused_layer_ids: tuple[int, ...] = ()
     num_layers: int = 1
     rms_norm_eps: float = 1e-6
@@ -52,17 +51,24 @@ class HeadConfig:
     max_position_embeddings: int = 4096
     attention_bias: bool = False
     # The head's own attention window (tokens), None = the whole context. eyas trains full-attention heads
-    # for every target, sliding-window ones included (the head is one layer: seeing the whole context is
-    # cheap and keeps long-range evidence); released heads that carry a window run with it.
+    # for every target, sliding-window ones included (the head is small: seeing the whole context is cheap and
+    # keeps long-range evidence); released heads that carry a window run with it.
     sliding_window: int | None = None
-    # EAGLE-3 first layer: the residual is hidden_norm(hidden) instead of the raw hidden (speculators'
-    # `norm_before_residual`, which most released RedHatAI heads were trained with).
-    norm_before_residual: bool = False
+    # The algorithm's own settings: an instance of its Options dataclass (a dict is converted; None: defaults).
+    options: Any = None
     target: TargetIdentity | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
-        if self.head_type not in HEAD_TYPES:
-            raise InputError(f"head_type {self.head_type!r} is not one of {HEAD_TYPES}")
+        from .drafters import algorithm
+
+        algo = algorithm(self.head_type)
+        options = self.options
+        if options is None or isinstance(options, dict):
+            options = algo.options_from_dict(options or {})
+        elif not isinstance(options, algo.Options):
+            raise InputError(f"a {self.head_type} head takes {algo.Options.__name__} options, got "
+                             f"{type(options).__name__}")
+        object.__setattr__(self, "options", options)
         if self.num_layers < 1:
             raise InputError(f"num_layers must be >= 1, got {self.num_layers}")
         if self.sliding_window is not None and self.sliding_window < 1:
@@ -76,17 +82,7 @@ class HeadConfig:
             raise InputError(
                 f"draft_vocab_size ({self.draft_vocab_size}) must be in 1..vocab_size ({self.vocab_size})"
             )
-        if self.head_type == "eagle1":
-            if self.draft_vocab_size != self.vocab_size:
-                raise InputError("an eagle1 head predicts through the target's lm_head: "
-                                 "draft_vocab_size must equal vocab_size")
-            if self.fused_layer_ids:
-                raise InputError("an eagle1 head reads the final hidden state: fused_layer_ids must be empty")
-            if self.norm_before_residual:
-                raise InputError("norm_before_residual is an EAGLE-3 first-layer variant; "
-                                 "an eagle1 head has no hidden_norm")
-        elif not self.fused_layer_ids:
-            raise InputError("an eagle3 head needs fused_layer_ids (e.g. [2, N//2, N-3])")
+        algo.check(self)
         if self.target is not None:
             for name in ("hidden_size", "vocab_size"):
                 if getattr(self.target, name) != getattr(self, name):
@@ -104,18 +100,26 @@ class HeadConfig:
         """Width of the target feature the head consumes before fusion: [.., feature_size]."""
         return self.hidden_size * max(1, len(self.fused_layer_ids))
 
+    def replace(self, **changes: Any) -> "HeadConfig":
+        return dataclasses.replace(self, **changes)
+
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
         d["fused_layer_ids"] = list(self.fused_layer_ids)
+        d["options"] = dataclasses.asdict(self.options)
         return d
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "HeadConfig":
+        """From to_dict's output; a config written before options existed (eyas format 1: EAGLE-3's
+        norm_before_residual among the shape fields) reads as the same head."""
+        d = dict(d)
+        if "norm_before_residual" in d:  # eyas format 1
+            d.setdefault("options", {})["norm_before_residual"] = d.pop("norm_before_residual")
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(d) - known)
         if unknown:
             raise InputError(f"unknown head config keys {unknown}; valid keys: {sorted(known)}")
-        d = dict(d)
         d["fused_layer_ids"] = tuple(d.get("fused_layer_ids", ()))
         if d.get("target") is not None and not isinstance(d["target"], TargetIdentity):
             d["target"] = TargetIdentity(**d["target"])

@@ -2,7 +2,8 @@
 
 Written out (not borrowed from a transformers model class) because the EAGLE-3 first layer
 attends over [norm(embedding); norm(hidden)] of width 2H, and because drafting needs explicit
-masks over eyas's KV cache (kv_cache.py) and training its packed TTT attention (ttt.py).
+masks over eyas's KV cache (kv_cache.py) and training its packed TTT attention (ttt.py). Every drafter
+(models/drafters) builds its decoder from these.
 """
 
 from __future__ import annotations
@@ -111,16 +112,17 @@ class DecoderLayer(nn.Module):
     """One pre-norm decoder layer.
 
     `fuse_embedding` (EAGLE-3, first layer): attention reads [input_layernorm(emb); hidden_norm(x)]
-    and the residual is x, or hidden_norm(x) with `config.norm_before_residual`. `input_norm=False`
+    and the residual is x, or hidden_norm(x) with `norm_before_residual`. `input_norm=False`
     (EAGLE-1, first layer) skips the input norm because the fc output it receives is not a residual
     stream, as in the EAGLE-1 reference.
     """
 
-    def __init__(self, config: HeadConfig, fuse_embedding: bool = False, input_norm: bool = True) -> None:
+    def __init__(self, config: HeadConfig, fuse_embedding: bool = False, input_norm: bool = True,
+                 norm_before_residual: bool = False) -> None:
         super().__init__()
         h = config.hidden_size
         self.fuse_embedding = fuse_embedding
-        self.norm_before_residual = fuse_embedding and config.norm_before_residual
+        self.norm_before_residual = fuse_embedding and norm_before_residual
         self.self_attn = Attention(config, 2 * h if fuse_embedding else h)
         self.input_layernorm = RMSNorm(h, config.rms_norm_eps) if (input_norm or fuse_embedding) else None
         self.hidden_norm = RMSNorm(h, config.rms_norm_eps) if fuse_embedding else None

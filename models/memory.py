@@ -95,14 +95,14 @@ def target_shape(target) -> TargetShape:
 
 
 def head_parameters(head_config) -> int:
-    from .head import DraftHead
+    from .drafters.base import DraftHead
 
     with torch.device("meta"):
         head = DraftHead(head_config)
     return sum(p.numel() for p in head.parameters())
 
 
-def _ttt_rows(seq_len: int, loss_fraction: float, steps: int) -> tuple[int, list[int], list[int]]:
+def ttt_rows(seq_len: int, loss_fraction: float, steps: int) -> tuple[int, list[int], list[int]]:
     """(step-0 indices, rows per packed step, loss rows per step) of one sequence whose last `loss_fraction` of
     tokens carry loss (an answer after its prompt), as losses.py's plan selects them: step i runs at the indices
     that lead to a loss at a step >= i, and index t carries loss at step i when token t+1+i does."""
@@ -124,23 +124,65 @@ def _saved_per_row(hc, fused: bool, chain: int) -> tuple[int, int]:
     return norm, matmul
 
 
+def ttt_activations(hc, n0: int, rows: list[int], loss_rows: list[int], fused: bool, itemsize: int,
+                    batch: int) -> dict[str, float]:
+    """Bytes one sequence's training-time-test unroll (models/ttt.py) keeps for the backward, counted tensor by
+    tensor from models/layers.py and models/ttt.py: step 0 over n0 indices, step i over rows[i] packed rows,
+    loss_rows[i] of them carrying loss; fused: the first layer fuses the embedding (EAGLE-3) or not (EAGLE-1);
+    batch: sequences per micro-batch (a packed step over all of them is chunked, and checkpointed, past a memory
+    budget). Checkpointed attention keeps only its inputs; RMSNorm computes in fp32 (x.float())."""
+    from .ttt import rows_per_chunk
+
+    h, q = hc.hidden_size, hc.num_attention_heads * hc.head_dim
+    kv = hc.num_key_value_heads * hc.head_dim
+    norm_side = matmul_side = scores = 0
+    chunk = rows_per_chunk(hc.num_attention_heads, n0)
+    for layer in range(hc.num_layers):
+        first = fused and layer == 0
+        # step 0 over every index: norms and attention input, the query after RoPE, keys and values repeated per
+        # query head, the attention output and its o_proj copy, the residual; the last layer's MLP (and
+        # post-attention norm) only at the rows that lead to a loss
+        mlp_rows = rows[0] if layer == hc.num_layers - 1 else n0
+        norm_side += n0 * ((2 * h if first else h) + (2 * h if first else h)) + mlp_rows * 2 * h
+        matmul_side += n0 * (h + 5 * q + 2 * kv) + mlp_rows * (h + 4 * hc.intermediate_size)
+        for step in range(1, len(rows)):
+            n, m = _saved_per_row(hc, first, step)
+            norm_side, matmul_side = norm_side + rows[step] * n, matmul_side + rows[step] * m
+            if batch * rows[step] <= chunk:  # one chunk: not checkpointed, its probabilities and expanded K/V kept
+                scores += rows[step] * hc.num_attention_heads * (n0 + step) + 2 * q * n0
+    if fused:
+        matmul_side += n0 * h  # the fc output (step 0's input)
+    norm_side += sum(loss_rows) * 2 * h  # the final norm's copy and output at the loss rows
+    matmul_side += sum(loss_rows) * h  # the picked rows
+    parts = {"TTT activations": batch * (norm_side * 4 + matmul_side * itemsize)}
+    if scores:
+        parts["TTT attention (one chunk, kept)"] = batch * scores * 4
+    return parts
+
+
 def training_step(config, seq_len: int, batch: int = 1, head_type: str = "eagle3", draft_vocab_size: int = 32000,
-                  head_layers: int = 1, ttt_steps: int = 7, loss_fraction: float = 0.5, precision: str = "bf16",
-                  target_dtype: str = "bf16", placement: str = "replicate", processes: int = 1,
-                  group: int | None = None, head_sharding: str = "ddp", offline: bool = False) -> Estimate:
+                  head_layers: int | None = None, ttt_steps: int = 7, loss_fraction: float = 0.5,
+                  precision: str = "bf16", target_dtype: str = "bf16", placement: str = "replicate",
+                  processes: int = 1, group: int | None = None, head_sharding: str = "ddp",
+                  offline: bool = False) -> Estimate:
     """Peak bytes of one optimizer step (a micro-batch of `batch` sequences of `seq_len` tokens) per process.
 
-    placement: replicate | shard (the target, FSDP2); group: processes per sharding group (default all);
-    head_sharding: ddp (whole head; several processes add gradient buckets) | zero2 (optimizer state and gradients
-    divided) | zero3 / fsdp (weights too); precision: the head's (bf16 autocast or fp32); offline: the target's
-    states come from a cache (no decoder layers, no target forward)."""
+    head_type: any drafter algorithm (models/drafters), whose own model gives the unroll's activations;
+    head_layers: its decoder layers (default: the algorithm's); placement: replicate | shard (the target, FSDP2);
+    group: processes per sharding group (default all); head_sharding: ddp (whole head; several processes add
+    gradient buckets) | zero2 (optimizer state and gradients divided) | zero3 / fsdp (weights too); precision: the
+    head's (bf16 autocast or fp32); offline: the target's states come from a cache (no decoder layers, no target
+    forward)."""
+    from types import SimpleNamespace
+
+    from .drafters import algorithm
     from .head_config import head_config_for
-    from .ttt import rows_per_chunk
 
     target = meta_target(config)
     ts = target_shape(target)
-    draft = min(draft_vocab_size, target.vocab_size) if head_type == "eagle3" else None
-    hc = head_config_for(target, head_type, draft_vocab_size=draft, num_layers=head_layers)
+    algo = algorithm(head_type)
+    hc = head_config_for(target, head_type, draft_vocab_size=min(draft_vocab_size, target.vocab_size),
+                         num_layers=head_layers)
     tb, ab = _ITEMSIZE[target_dtype], _ITEMSIZE[precision]
     group = group or processes
     e = Estimate()
@@ -156,9 +198,9 @@ def training_step(config, seq_len: int, batch: int = 1, head_type: str = "eagle3
     e.parts["target weights"] = held * tb
     if gathered:
         e.parts["target layers gathered"] = gathered * tb
-    n_fused = len(hc.fused_layer_ids) if head_type == "eagle3" else 0
-    # features + final hidden, and the embedding rows of the batch's distinct ids the head reads (losses.py)
-    kept = batch * seq_len * (1 + n_fused) + min(batch * seq_len, ts.vocab)
+    n_read = len(algo.reads(hc, target.num_layers))
+    # the states the head reads + final hidden, and the embedding rows of the batch's distinct ids (losses.py)
+    kept = batch * seq_len * (1 + n_read) + min(batch * seq_len, ts.vocab)
     e.parts["target states (kept)"] = kept * ts.hidden * tb
     # ---- the head's persistent state: fp32 master weights, AdamW's two moments (gradients: see below)
     params = head_parameters(hc)
@@ -172,44 +214,22 @@ def training_step(config, seq_len: int, batch: int = 1, head_type: str = "eagle3
         e.parts["head bf16 weight copies"] = ab * params / shard[0]
     if head_sharding in ("zero3", "fsdp"):
         e.parts["head weights gathered"] = ab * params
-    # ---- the step: the TTT unroll's saved activations (models/ttt.py, train/losses.py)
-    n0, rows, loss_rows = _ttt_rows(seq_len, loss_fraction, min(ttt_steps, seq_len - 1))
-    h, q = hc.hidden_size, hc.num_attention_heads * hc.head_dim
-    kv = hc.num_key_value_heads * hc.head_dim
-    norm_side = matmul_side = scores = 0
-    chunk = rows_per_chunk(hc.num_attention_heads, n0)
-    for layer in range(hc.num_layers):
-        fused = head_type == "eagle3" and layer == 0
-        # step 0 over every index: norms and attention input, the query after RoPE, keys and values repeated per
-        # query head, the attention output and its o_proj copy, the residual; the last layer's MLP (and
-        # post-attention norm) only at the rows that lead to a loss
-        mlp_rows = rows[0] if layer == hc.num_layers - 1 else n0
-        norm_side += n0 * ((2 * h if fused else h) + (2 * h if fused else h)) + mlp_rows * 2 * h
-        matmul_side += n0 * (h + 5 * q + 2 * kv) + mlp_rows * (h + 4 * hc.intermediate_size)
-        for step in range(1, len(rows)):
-            n, m = _saved_per_row(hc, fused, step)
-            norm_side, matmul_side = norm_side + rows[step] * n, matmul_side + rows[step] * m
-            if batch * rows[step] <= chunk:  # one chunk: not checkpointed, its probabilities and expanded K/V kept
-                scores += rows[step] * hc.num_attention_heads * (n0 + step) + 2 * q * n0
-    if head_type == "eagle3":
-        matmul_side += n0 * h  # the fc output (step 0's input)
-    norm_side += sum(loss_rows) * 2 * h  # the final norm's copy and output at the loss rows
-    matmul_side += sum(loss_rows) * h  # the picked rows
-    e.parts["TTT activations"] = batch * (norm_side * 4 + matmul_side * ab)  # RMSNorm computes in fp32 (x.float())
-    if scores:
-        e.parts["TTT attention (one chunk, kept)"] = batch * scores * 4
-    vocab = hc.draft_vocab_size if head_type == "eagle3" else ts.vocab
-    logit_rows = batch * sum(loss_rows)
+    # ---- the step: the algorithm's unroll, the logits of its loss rows, the teacher
+    parts, loss_rows = algo.training_activations(hc, seq_len, loss_fraction, SimpleNamespace(ttt_steps=ttt_steps), ab,
+                                                 batch)
+    e.parts.update(parts)
+    vocab = hc.draft_vocab_size
+    logit_rows = batch * loss_rows
     e.parts["step logits (fp32)"] = logit_rows * vocab * 4
     # the step peaks at the end of the forward (the teacher's distribution at the taught rows, fp32, and the logits
     # it came from) or when the backward has the lm_head's gradients (weight and input) too
-    taught = batch * loss_rows[0]
+    taught = batch * min(loss_rows, max(1, round(loss_fraction * seq_len)))
     end_of_forward = taught * vocab * (4 + tb) + logit_rows * vocab * ab * (precision != "fp32")
-    lm_head_grad = (vocab * h * 4 if head_type == "eagle3" else 0) + logit_rows * h * 4
+    lm_head_grad = (vocab * hc.hidden_size * 4 if algo.reduced_vocab else 0) + logit_rows * hc.hidden_size * 4
     e.parts["teacher / lm_head gradients"] = max(end_of_forward, lm_head_grad)
     if not offline:  # the target's forward, before the head's step (its outputs are counted above)
         layer_tmp = ts.hidden * 4 + ts.heads * ts.head_dim + 2 * ts.kv_heads * ts.head_dim + 3 * ts.intermediate
-        target_forward = batch * seq_len * (n_fused * ts.hidden + layer_tmp) * tb
+        target_forward = batch * seq_len * (n_read * ts.hidden + layer_tmp) * tb
         step = sum(v for k, v in e.parts.items() if k.startswith(("TTT", "step", "teacher")))
         if target_forward > step:
             e.notes.append("the target's forward, not the head's step, sets the peak")
@@ -224,8 +244,8 @@ def training_step(config, seq_len: int, batch: int = 1, head_type: str = "eagle3
         for k in [k for k in e.parts if k.startswith(("TTT", "step", "teacher", "target forward"))]:
             del e.parts[k]
         e.parts["head gradients + AdamW temporaries"] = optimizer
-    e.notes.append(f"{params / 1e6:.0f}M head parameters; {sum(rows) + n0} TTT rows per sequence "
-                   f"({len(rows)} steps at {loss_fraction:.0%} loss tokens)")
+    e.notes.append(f"{params / 1e6:.0f}M {head_type} head parameters; {loss_rows} loss rows per sequence "
+                   f"({loss_fraction:.0%} loss tokens)")
     return e
 
 

@@ -14,9 +14,15 @@ go in chunks of at most `rows_per_chunk(T)` (a fixed memory budget), each recomp
 Step 0 needs every index's keys/values but only some indices' outputs (those the loss or a later step
 reads): `step0_rows` [P0] (flat indices b * T + t, ascending) makes the last layer drop the others
 before its MLP, so step 0 returns hidden [1, P0, H] instead of [B, T, H]. None: all rows.
+
+The same attention serves every drafter trained this way: EAGLE-3 (step i >= 1 feeds the next teacher-forced token
+and the head's own previous state) and P-EAGLE (depth d >= 1 feeds a mask token and a learned state, and samples a
+shrinking share of the rows per depth). `TTTPlan` says which rows run at each step, `unroll` runs them.
 """
 
 from __future__ import annotations
+
+from typing import Callable
 
 import torch
 from torch.utils.checkpoint import checkpoint
@@ -113,3 +119,81 @@ def _packed_rows(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, inde
         chain = chain.masked_fill(behind >= window, float("-inf"))
     probs = torch.softmax(torch.cat([scores, chain], dim=-1), dim=-1)
     return probs[..., :t] @ values[:, None] + torch.einsum("krpi,kpid->krpd", probs[..., t:], chain_v)
+
+
+class TTTPlan:
+    """Host-side row bookkeeping of the TTT unroll, from valid [B, T] (CPU): which flat rows b * n + t run at each
+    step, which of them carry loss, and the teacher row (flat b * T + u) each of those learns from. Which rows run
+    at which step depends only on `valid`, so the unroll launches device work without waiting on it."""
+
+    def __init__(self, valid: torch.Tensor, steps: int, shares: Callable[[int], float] | None = None,
+                 generator: torch.Generator | None = None) -> None:
+        """shares: None runs every row that still leads to a loss (EAGLE-3); else step i >= 1 runs a random share
+        shares(i) (of the loss rows of step 0) of the rows of step i - 1 that carry loss at step i (P-EAGLE)."""
+        b, t = valid.shape
+        n = t - 1
+        self.steps = steps
+        flat = torch.arange(b * t).view(b, t)  # the flat [B, T] row of (b, u): what the teacher is indexed by
+        # carries[i][:, t]: step i at index t learns the distribution at t+1+i, which carries loss
+        shifted = torch.cat([valid[:, 1:], valid.new_zeros(b, steps)], dim=1)  # [B, n + steps]
+        carries = torch.stack([shifted[:, i:i + n] for i in range(steps)])  # [K, B, n]
+        needed = carries.flip(0).cumsum(0, dtype=torch.int32).flip(0) > 0  # step i still leads to a loss
+        last = needed[0].any(0).nonzero()  # [L, 1] indices that lead to a loss in some batch element
+        n = self.n = int(last.max()) + 1 if len(last) else 1
+        carries, needed = carries[..., :n], needed[..., :n]
+        t_of = torch.arange(n).repeat(b)  # [B*n] index t of each flat row
+        b_of = torch.arange(b).repeat_interleave(n)  # [B*n] its batch element
+        self.rows, self.keep, self.at, self.batch, self.batch_sizes = [], [], [], [], []
+        self.selected, self.teacher = [], []
+        if shares is not None:  # a later step's rows are drawn from those that carry loss there
+            needed = carries.clone()
+        rows = needed[0].flatten().nonzero().squeeze(1)  # [P_0] flat rows of step 0, ascending
+        for i in range(steps):
+            keep = needed[i].flatten()[rows].nonzero().squeeze(1)  # [P_i] which of step i-1's rows go on
+            if shares is not None and i > 0:
+                size = min(len(keep), round(shares(i) * len(self.rows[0])))
+                keep = keep[torch.randperm(len(keep), generator=generator)[:size].sort().values]
+            rows = rows if i == 0 else rows[keep]
+            at, bat = t_of[rows], b_of[rows]
+            self.rows.append(rows)
+            self.keep.append(keep)
+            self.at.append(at)
+            self.batch.append(bat)
+            self.batch_sizes.append(bat.bincount(minlength=b).tolist())
+            sel = carries[i].flatten()[rows].nonzero().squeeze(1)  # [P'_i] rows with loss at this step
+            self.selected.append(sel)
+            self.teacher.append(flat[bat[sel], at[sel] + 1 + i])
+
+
+# Inputs of step i >= 1 at its rows: (step, sequence index t [P], batch element [P], the previous step's states at
+# those rows [P, H]) -> (token ids [1, P], states [1, P, H]).
+StepInputs = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+
+
+def unroll(head, input_ids: torch.Tensor, hidden: torch.Tensor, plan: TTTPlan, later: StepInputs,
+           step0_mask: torch.Tensor | None = None) -> list[torch.Tensor]:
+    """Run the plan: step 0 at every index [B, n] (token ids[t+1], state hidden[t], position t), then step i at its
+    packed rows (position t + i, inputs from `later`). hidden [B, n, H] is step 0's input state; step0_mask [B, n, n]
+    (a window) or None (causal). Returns per step the head's states [P'_i, H] at the rows that carry loss there."""
+    b = input_ids.shape[0]
+    n, dev = plan.n, input_ids.device
+    cache = TTTAttention(head.config.num_layers, step0_rows=to_device(plan.rows[0], dev),
+                         window=head.config.sliding_window)
+    ids, positions = input_ids[:, 1:n + 1], torch.arange(n, device=dev).expand(b, n)
+    picked = []
+    for i in range(plan.steps):
+        if i > 0:  # step i's rows are a subset of step i-1's: keep those
+            keep, at, bat = (to_device(x, dev) for x in (plan.keep[i], plan.at[i], plan.batch[i]))
+            cache.next_step(at, plan.batch_sizes[i], keep)
+            ids, hidden = later(i, at, bat, hidden.index_select(0, keep))
+            positions = (at + i)[None]
+        hidden = head(ids, hidden, positions, step0_mask if i == 0 else None, cache, logits=False).hidden.flatten(0, 1)
+        picked.append(hidden.index_select(0, to_device(plan.selected[i], dev)))
+    return picked
+
+
+def to_device(x: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on `device` without waiting for the device (pinned, asynchronous copy on CUDA)."""
+    if device.type != "cuda":
+        return x.to(device)
+    return x.pin_memory().to(device, non_blocking=True)

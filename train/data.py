@@ -22,7 +22,7 @@ from typing import Any, Callable, Iterator, Protocol, Sequence
 import torch
 
 from eyas.data.examples import split_indices
-from eyas.models.errors import InputError
+from eyas.models.errors import ConfigError, InputError
 
 from .config import DataConfig
 
@@ -65,6 +65,14 @@ class Subset:
     @property
     def layer_ids(self) -> list[int]:
         return self.examples.layer_ids
+
+    def check_reads(self, reads: tuple[int, ...], num_layers: int, folder: str) -> None:
+        """Raise ConfigError unless the cache holds the states a head reading `reads` needs: the final hidden state
+        (id num_layers), which every cache holds, or exactly its fused layers."""
+        if tuple(reads) != (num_layers,) and list(reads) != list(self.layer_ids):
+            raise ConfigError(f"the hidden-state cache {folder} holds layers {self.layer_ids} (and the final hidden "
+                              f"state), the head reads {list(reads)}: set head.fused_layer_ids to match, or rebuild "
+                              "the cache with those --layers")
 
     def fingerprint(self) -> str:
         return self.examples.fingerprint(self.index)

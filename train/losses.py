@@ -1,40 +1,24 @@
-"""Distillation losses for EAGLE-1 and EAGLE-3 heads, and the per-step acceptance metrics.
+"""The distillation loss every drafter trains with, and the per-depth acceptance metrics.
 
-Index convention (EAGLE): the target's feature at sequence index t together with token t+1 lets the
-head predict token t+2, whose distribution the target gives in its logits at index t+1.
+A drafter's training unroll (its algorithm's `unroll`, models/drafters) says what the head predicted: its states
+at the rows that carry loss, depth by depth (depth i: draft position i + 1), and the flat row of the batch whose
+target distribution each learns. The loss here is the same for every algorithm:
+  loss = sum_i weights[i] * mean soft CE(head logits at depth i, target distribution at its rows)
+         [+ feature_weight * SmoothL1(head state, target state): EAGLE-1's feature regression]
+with the weights the algorithm gives (EAGLE-3: step_decay ** i; EAGLE-1: ce_weight; P-EAGLE: 1 per depth).
+The target distribution is restricted to the draft vocabulary (gathered through draft_to_target) and
+renormalised.
 
-EAGLE-1: SmoothL1(head hidden at t, target final hidden at t+1) * feature_weight
-         + soft CE(head logits at t, softmax(target logits at t+1)) * ce_weight.
-EAGLE-3 training-time test (TTT), K unrolled steps as inference drafts them:
-  step 0 at index t: token ids[t+1], hidden = fuse(target features at t), position t
-  step i:            token ids[t+1+i] (teacher forcing), hidden = the head's own step i-1 output at t,
-                     position t+i; it predicts token t+2+i from the target logits at t+1+i.
-  The step-i query at t attends to step-0 keys at indices <= t and to its own steps' keys 1..i at
-  index t only, i.e. mask [T, (i+1)T] = [causal | eye | ... | eye]; the TTTAttention scores the eye
-  blocks as elementwise products instead of dense [T, T] blocks.
-  Loss = sum_i step_decay**i * soft CE against the target distribution restricted to the draft vocab
-  (gathered through draft_to_target and renormalised).
+Cost: the teacher's logits are computed only at the distinct rows the predictions learn from, in blocks, through
+the target's own head (`target_teacher`): never [B, T, V]. The vocabulary projection and the soft CE run only at
+rows that carry loss, in one matmul for all depths, and the soft CE overwrites its input instead of allocating
+(`_SoftCrossEntropy`). What remains is matmuls (~80% of an EAGLE-3 step, profiled on SmolLM2-135M: ~40% that
+projection, forward and two backward products of [rows, H] x [H, draft vocab], ~35% the layer's own).
 
-Cost (the head step must stay cheaper than the target forward): the result equals evaluating every
-step at every index, but work is spent only where it can reach the loss. Step 0 runs up to the last
-index that leads to a loss (attention is causal, so later ones are read by nobody); there every index
-leaves its keys (later steps attend to them) but the last layer's MLP runs only at the indices that
-lead to a loss; step i >= 1 runs only at the indices that still carry loss at some step >= i (their
-step-i keys are only ever read by their own later steps, so the dropped rows change nothing), packed
-across the batch without padding; the own-chain (eye) attention terms are elementwise (TTTAttention);
-the vocabulary projection and the soft CE run only at rows that carry loss at that step, in one
-matmul for all steps; the teacher is cut to the draft vocabulary and the loss-carrying rows once,
-before any step. What remains is matmuls (~80% of the step, profiled on
-SmolLM2-135M: ~40% that projection, forward and two backward products of [rows, H] x [H, draft
-vocab], ~35% the layer's own).
-
-Positions whose target argmax lies outside the draft vocab are kept in the soft CE: the renormalised
-target distribution still says how to rank the tokens the head can propose, and dropping them would
-bias training towards easy positions. They can never be accepted, so they count as misses in the
-top-1 accuracy and are reported as `oov/step{i}` so a too-small draft vocab is visible.
-
-Positions count only where the token whose target distribution is learned (index t+1+i) is inside
-the sequence and loss-masked (an assistant token).
+Positions whose target argmax lies outside the draft vocab are kept in the soft CE: the renormalised target
+distribution still says how to rank the tokens the head can propose, and dropping them would bias training
+towards easy positions. They can never be accepted, so they count as misses in the top-1 accuracy and are
+reported as `oov/step{i}` so a too-small draft vocab is visible.
 """
 
 from __future__ import annotations
@@ -47,7 +31,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from eyas.models import DraftHead
-from eyas.models.ttt import TTTAttention
+from eyas.models.drafters.base import Predictions
+from eyas.models.ttt import to_device
 
 from .config import LossConfig
 
@@ -123,153 +108,52 @@ def _teacher(probs: torch.Tensor, rows: torch.Tensor | None, block: slice) -> to
     return probs[block] if rows is None else probs.index_select(0, rows[block])
 
 
-def feature_noise(hidden: torch.Tensor, scale: float) -> torch.Tensor:
-    """EAGLE reference augmentation: uniform noise (U-0.5) * scale * 512 / T on the input feature."""
-    if scale <= 0:
-        return hidden
-    return hidden + (torch.rand_like(hidden) - 0.5) * (scale * 512 / hidden.shape[1])
+def drafter_loss(head: DraftHead, input_ids: torch.Tensor, valid: torch.Tensor, states: torch.Tensor,
+                 target_logits: Teacher, config: LossConfig) -> tuple[torch.Tensor, Metrics]:
+    """The head's algorithm's training unroll, then the distillation loss of its predictions. input_ids, valid
+    [B, T] (valid: the token carries loss); states [B, T, F]: the target states the head reads."""
+    algorithm = head.algorithm
+    pred = algorithm.unroll(head, input_ids, valid, states, config)
+    return distill(head, pred, target_logits, config, algorithm.depth_weights(config, len(pred.sizes)))
 
 
-def eagle1_loss(head: DraftHead, input_ids: torch.Tensor, valid: torch.Tensor, target_hidden: torch.Tensor,
-                target_logits: Teacher, config: LossConfig) -> tuple[torch.Tensor, Metrics]:
-    """input_ids, valid [B, T]; target_hidden [B, T, H] final normed; target_logits: the teacher (see Teacher)."""
-    b, t = input_ids.shape
-    n = t - 1
-    dev = input_ids.device
-    position_ids = torch.arange(n, device=dev).expand(b, -1)
-    hidden_in = feature_noise(head.fuse(target_hidden[:, :n]), config.feature_noise)
-    out = head(input_ids[:, 1:], hidden_in, position_ids, _causal_mask(head, b, n, dev), logits=False)
-    keep = valid.cpu()[:, 1:].flatten().nonzero().squeeze(1)  # [P] flat (b, t) of the rows with loss (host-side)
-    at = _to(keep, dev)
-    count = torch.full((), float(len(keep)), device=dev)
-    denom = count.clamp(min=1)
-    hidden = out.hidden.flatten(0, 1).index_select(0, at)  # [P, H]: only rows with loss reach the lm_head
-    wanted = target_hidden[:, 1:].flatten(0, 1).index_select(0, at)
-    feature = F.smooth_l1_loss(hidden.float(), wanted.float(), reduction="none").mean(-1)
-    feature_loss = feature.sum() / denom
-    rows = keep + keep // n + 1  # the flat [B, T] index of (b, t + 1)
-    teacher = torch.cat([_logit_rows(target_logits, _to(rows[block], dev))
-                         for block in _blocks(len(rows), _teacher_block(head.config.vocab_size, dev))])  # [P, V]
-    logits = head.project(hidden)  # [P, V]
-    ce_loss = soft_cross_entropy(logits, teacher).sum() / denom
-    loss = config.feature_weight * feature_loss + config.ce_weight * ce_loss
-    correct = (logits.argmax(-1) == teacher.argmax(-1)).sum().float()
-    metrics = {"loss/feature": feature_loss.detach() * count, "loss/ce": ce_loss.detach() * count,
-               "correct/step0": correct, "count/step0": count, "oov/step0": torch.zeros_like(count)}
-    return loss, metrics
+def distill(head: DraftHead, pred: Predictions, target_logits: Teacher, config: LossConfig,
+            weights: list[float]) -> tuple[torch.Tensor, Metrics]:
+    """The distillation loss of an unroll's predictions: per depth i, the mean soft cross-entropy of the head's
+    distribution against the target's at the rows it learns (restricted to the draft vocabulary and renormalised),
+    weighted by weights[i]; plus config.feature_weight x a SmoothL1 feature regression where the algorithm has one.
 
-
-def eagle3_ttt_loss(head: DraftHead, input_ids: torch.Tensor, valid: torch.Tensor, target_features: torch.Tensor,
-                    target_logits: Teacher, config: LossConfig) -> tuple[torch.Tensor, Metrics]:
-    """input_ids, valid [B, T]; target_features [B, T, F] fused-layer inputs; target_logits: the teacher (Teacher).
-
-    Which rows run at which step depends only on `valid`: that bookkeeping is done on the host, from one copy of
-    `valid`, so the unroll launches device work without waiting on it (no data-dependent shapes on the device)."""
-    b, t = input_ids.shape
-    dev = input_ids.device
-    plan = _TTTPlan(valid.cpu(), min(config.ttt_steps, t - 1))
-    # Teacher rows: every loss-carrying index u >= 1, cut to the draft vocab before anything else.
-    target_top, restricted = _teacher_rows(target_logits, plan.taught, head.draft_to_target,
-                                           head.config.vocab_size, dev)
-    probs = torch.softmax(restricted.float(), dim=-1)  # [P, Dv]
-    in_vocab = head.t2d[target_top]  # [P]
-
-    # The feature noise is drawn at full length so it equals what every-index evaluation draws; indices after the
-    # last one that leads to a loss are read by nobody (attention is causal) and dropped.
-    n = plan.n
-    hidden = feature_noise(head.fuse(target_features[:, :t - 1]), config.feature_noise)[:, :n]  # [B, n, H]
-
-    # Rows are flat (b, t) -> b * n + t. Step 0 runs batched over every index [B, n] (causal): all of
-    # them leave keys/values, but the last layer's MLP runs only at the rows that lead to a loss
-    # (TTTAttention.step0_rows). Step i >= 1 runs packed as one sequence [1, P_i] over the rows that
-    # still lead to a loss (no padding between batch rows; the TTTAttention keeps each row's attention
-    # within its own batch element).
-    cache = TTTAttention(head.config.num_layers, step0_rows=_to(plan.rows[0], dev), window=head.config.sliding_window)
-    ids, positions = input_ids[:, 1:n + 1], torch.arange(n, device=dev).expand(b, n)  # step 0: token t+1 at index t
-    picked = []  # per step: hidden [P'_i, H] of the rows with loss there
-    for i in range(plan.steps):
-        if i > 0:  # the rows of step i are a subset of step i-1's: keep those, feed back their hidden
-            keep, at, bat = (_to(x, dev) for x in (plan.keep[i], plan.at[i], plan.batch[i]))
-            hidden = hidden.index_select(0, keep)
-            cache.next_step(at, plan.batch_sizes[i], keep)
-            # teacher forcing: token t+1+i (inside the sequence for needed rows)
-            ids, positions, hidden = input_ids[bat, at + 1 + i][None], (at + i)[None], hidden[None]
-        step0_mask = _causal_mask(head, b, n, dev) if i == 0 else None
-        hidden = head(ids, hidden, positions, step0_mask, cache, logits=False).hidden.flatten(0, 1)  # [P_i, H]
-        picked.append(hidden.index_select(0, _to(plan.selected[i], dev)))
-    # One projection for all steps: one large matmul and one weight-gradient product instead of K.
-    logits = head.project(torch.cat(picked))  # [sum P_i, Dv]
-    teacher = _to(torch.cat(plan.teacher), dev)
-    sizes = [len(r) for r in plan.teacher]
-    hit = (head.to_target_ids(logits.argmax(-1)) == target_top[teacher]).split(sizes)
-    ce = _cross_entropy(logits, probs, teacher, consume=True).split(sizes)  # logits are not read after this
-    oov = (~in_vocab[teacher]).split(sizes)
-    counts = _to(torch.tensor(sizes, dtype=torch.float32), dev)
+    Teacher rows are computed once per distinct row, cut to the draft vocabulary before anything else, in blocks
+    (never [B, T, V]). One vocabulary projection for all depths: one large matmul and one weight-gradient product
+    instead of one per depth."""
+    dev = pred.hidden.device
+    rows, inverse = torch.unique(pred.teacher, return_inverse=True)  # host: each distinct teacher row once
+    target_top, restricted = _teacher_rows(target_logits, rows, head.draft_to_target, head.config.vocab_size, dev)
+    probs = torch.softmax(restricted.float(), dim=-1)  # [U, Dv]
+    teacher = to_device(inverse, dev)
+    logits = head.project(pred.hidden)  # [P, Dv]
+    hit = (head.to_target_ids(logits.argmax(-1)) == target_top[teacher]).split(pred.sizes)
+    ce = _cross_entropy(logits, probs, teacher, consume=True).split(pred.sizes)  # logits are not read after this
+    oov = (~head.can_propose(target_top)[teacher]).split(pred.sizes)
+    counts = to_device(torch.tensor(pred.sizes, dtype=torch.float32), dev)
     loss = counts.new_zeros(())
     metrics: Metrics = {}
-    for i in range(plan.steps):
+    for i, weight in enumerate(weights):
         count = counts[i]
-        step_loss = ce[i].sum() / count.clamp(min=1)
-        loss = loss + config.step_decay ** i * step_loss
-        metrics[f"loss/step{i}"] = step_loss.detach() * count
+        depth_loss = ce[i].sum() / count.clamp(min=1)
+        loss = loss + weight * depth_loss
+        metrics[f"loss/step{i}"] = depth_loss.detach() * count
         metrics[f"correct/step{i}"] = hit[i].sum().float()
         metrics[f"count/step{i}"] = count
         metrics[f"oov/step{i}"] = oov[i].sum().float()
+    if pred.regression is not None:
+        ours, wanted = pred.regression
+        feature = F.smooth_l1_loss(ours.float(), wanted.float(), reduction="none").mean(-1)
+        count = counts[0]
+        feature_loss = feature.sum() / count.clamp(min=1)
+        loss = loss + config.feature_weight * feature_loss
+        metrics["loss/feature"] = feature_loss.detach() * count
     return loss, metrics
-
-
-class _TTTPlan:
-    """Host-side row bookkeeping of the TTT unroll, from valid [B, T] (CPU): which flat rows b * n + t run at each
-    step, which of them carry loss, and the teacher row each of those learns from."""
-
-    def __init__(self, valid: torch.Tensor, steps: int) -> None:
-        b, t = valid.shape
-        n = t - 1
-        self.steps = steps
-        taught = valid.clone()
-        taught[:, 0] = False  # index 0 is never predicted
-        self.taught = taught.flatten().nonzero().squeeze(1)  # [P] flat [B, T] rows of the teacher tables
-        teacher_row = taught.flatten().long().cumsum(0).view(b, t) - 1  # [B, T] row of (b, u) in those tables
-        # carries[i][:, t]: step i at index t learns the distribution at t+1+i, which carries loss
-        shifted = torch.cat([valid[:, 1:], valid.new_zeros(b, steps)], dim=1)  # [B, n + steps]
-        carries = torch.stack([shifted[:, i:i + n] for i in range(steps)])  # [K, B, n]
-        needed = carries.flip(0).cumsum(0, dtype=torch.int32).flip(0) > 0  # step i still leads to a loss
-        last = needed[0].any(0).nonzero()  # [L, 1] indices that lead to a loss in some batch element
-        n = self.n = int(last.max()) + 1 if len(last) else 1
-        carries, needed = carries[..., :n], needed[..., :n]
-        t_of = torch.arange(n).repeat(b)  # [B*n] index t of each flat row
-        b_of = torch.arange(b).repeat_interleave(n)  # [B*n] its batch element
-        self.rows, self.keep, self.at, self.batch, self.batch_sizes = [], [], [], [], []
-        self.selected, self.teacher = [], []
-        rows = needed[0].flatten().nonzero().squeeze(1)  # [P_0] flat rows of step 0, ascending
-        for i in range(steps):
-            keep = needed[i].flatten()[rows].nonzero().squeeze(1)  # [P_i] which of step i-1's rows go on
-            rows = rows if i == 0 else rows[keep]
-            at, bat = t_of[rows], b_of[rows]
-            self.rows.append(rows)
-            self.keep.append(keep)
-            self.at.append(at)
-            self.batch.append(bat)
-            self.batch_sizes.append(bat.bincount(minlength=b).tolist())
-            sel = carries[i].flatten()[rows].nonzero().squeeze(1)  # [P'_i] rows with loss at this step
-            self.selected.append(sel)
-            self.teacher.append(teacher_row[bat[sel], at[sel] + 1 + i])
-
-
-def _to(x: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A host tensor on `device` without waiting for the device (pinned, asynchronous copy on CUDA)."""
-    if device.type != "cuda":
-        return x.to(device)
-    return x.pin_memory().to(device, non_blocking=True)
-
-
-def _causal_mask(head: DraftHead, b: int, n: int, device: torch.device) -> torch.Tensor | None:
-    """Step 0's mask [B, n, n]: None (plain causal) unless the head attends within a sliding window."""
-    window = head.config.sliding_window
-    if window is None:
-        return None
-    i = torch.arange(n, device=device)
-    return ((i[None, :] <= i[:, None]) & (i[None, :] > i[:, None] - window)).expand(b, n, n)
 
 
 def target_teacher(target, hidden: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -289,7 +173,7 @@ def _teacher_rows(teacher: Teacher, rows: torch.Tensor, columns: torch.Tensor, v
     logits at `columns` [P, C]. In blocks of rows, so no [P, V] (let alone [B, T, V]) is ever held."""
     top, cut = [], []
     for block in _blocks(len(rows), _teacher_block(vocab, device)):
-        full = _logit_rows(teacher, _to(rows[block], device))  # [block, V]
+        full = _logit_rows(teacher, to_device(rows[block], device))  # [block, V]
         top.append(full.argmax(-1))
         cut.append(full.index_select(1, columns))
     return torch.cat(top), torch.cat(cut)
@@ -320,10 +204,10 @@ class DistillationLoss(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, valid: torch.Tensor, target_states: torch.Tensor,
                 target_logits: Teacher) -> tuple[torch.Tensor, Metrics]:
-        """target_states: [B, T, H] final hidden (eagle1) or [B, T, F] fused-layer features (eagle3)."""
-        fn = eagle3_ttt_loss if self.head.config.head_type == "eagle3" else eagle1_loss
+        """input_ids, valid [B, T]; target_states [B, T, F]: the target states the head reads (head.reads),
+        concatenated; target_logits: the teacher (Teacher)."""
         with batch_embedding(self.head, input_ids):
-            return fn(self.head, input_ids, valid, target_states, target_logits, self.config)
+            return drafter_loss(self.head, input_ids, valid, target_states, target_logits, self.config)
 
 
 class _BatchEmbedding(nn.Module):

@@ -8,9 +8,10 @@ import torch
 import torch.nn.functional as F
 
 from eyas.models import DraftHead
+from eyas.models.drafters.base import feature_noise
 
 from .config import LossConfig
-from .losses import Metrics, feature_noise
+from .losses import Metrics
 
 
 def soft_ce(logits: torch.Tensor, target_logits: torch.Tensor) -> torch.Tensor:
@@ -19,37 +20,44 @@ def soft_ce(logits: torch.Tensor, target_logits: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.flatten(0, -2), probs.flatten(0, -2), reduction="none").view(logits.shape[:-1])
 
 
-def unroll(head: DraftHead, input_ids: torch.Tensor, hidden: torch.Tensor, steps: int) -> list:
+def unroll(head: DraftHead, input_ids: torch.Tensor, hidden: torch.Tensor, steps: int, masked: bool = False) -> list:
     """Step i over all T-1 indices under the mask [causal | eye * i]: step i at index t sees step 0 at indices <= t
-    and its own chain's steps 1..i at index t. Returns one HeadOutput per step."""
+    and its own chain's steps 1..i at index t. Step i >= 1 reads the next teacher-forced token and the head's own
+    state (EAGLE-3), or with `masked` the mask token and state (P-EAGLE). Returns one HeadOutput per step."""
     b, n = hidden.shape[:2]
     causal = torch.ones(n, n, dtype=torch.bool, device=hidden.device).tril()
     eye = torch.eye(n, dtype=torch.bool, device=hidden.device)
     cache, outputs = head.new_cache(b, n * steps), []
     for i in range(min(steps, n)):
         ids = torch.cat([input_ids[:, 1 + i:], input_ids.new_zeros(b, i)], dim=1)
+        if masked and i > 0:
+            ids, hidden = head.mask_inputs((b, n), input_ids.device)
         mask = torch.cat([causal] + [eye] * i, dim=-1).expand(b, -1, -1)
         out = head(ids, hidden, (torch.arange(n, device=hidden.device) + i).expand(b, -1), mask, cache)
-        hidden = out.hidden
+        hidden = head.feedback(out.hidden)
         outputs.append(out)
     return outputs
 
 
 def eagle3_loss(head: DraftHead, input_ids: torch.Tensor, valid: torch.Tensor, features: torch.Tensor,
-                target_logits: torch.Tensor, config: LossConfig) -> tuple[torch.Tensor, Metrics]:
-    """losses.eagle3_ttt_loss, every step at every index."""
+                target_logits: torch.Tensor, config: LossConfig, masked: bool = False) -> tuple[torch.Tensor, Metrics]:
+    """An EAGLE-3 head's loss (losses.drafter_loss), every step at every index; with `masked`, a P-EAGLE head's with
+    every depth at every anchor: depth i at t learns where the tokens t+1 .. t+1+i all carry loss, weighted 1."""
     b, t = input_ids.shape
+    steps = head.options.depths if masked else config.ttt_steps
     target_top = target_logits.argmax(-1)
     in_vocab = head.t2d[target_top]
     restricted = target_logits.gather(-1, head.draft_to_target.expand(b, t, -1))
     hidden = feature_noise(head.fuse(features[:, : t - 1]), config.feature_noise)
     loss, metrics = 0.0, {}
-    for i, out in enumerate(unroll(head, input_ids, hidden, config.ttt_steps)):
+    chain = torch.ones_like(valid[:, 1:])
+    for i, out in enumerate(unroll(head, input_ids, hidden, steps, masked)):
         logits = out.logits[:, : t - 1 - i]
-        keep = valid[:, 1 + i:].float()
+        chain = chain[:, : t - 1 - i] & valid[:, 1 + i:]
+        keep = (chain if masked else valid[:, 1 + i:]).float()
         count = keep.sum()
         step_loss = (soft_ce(logits, restricted[:, 1 + i:]) * keep).sum() / count.clamp(min=1)
-        loss = loss + config.step_decay ** i * step_loss
+        loss = loss + (1.0 if masked else config.step_decay ** i) * step_loss
         hit = head.to_target_ids(logits.argmax(-1)) == target_top[:, 1 + i:]
         metrics.update({f"loss/step{i}": step_loss.detach() * count, f"correct/step{i}": (hit.float() * keep).sum(),
                         f"count/step{i}": count, f"oov/step{i}": ((~in_vocab[:, 1 + i:]).float() * keep).sum()})
@@ -58,7 +66,7 @@ def eagle3_loss(head: DraftHead, input_ids: torch.Tensor, valid: torch.Tensor, f
 
 def eagle1_loss(head: DraftHead, input_ids: torch.Tensor, valid: torch.Tensor, target_hidden: torch.Tensor,
                 target_logits: torch.Tensor, config: LossConfig) -> tuple[torch.Tensor, Metrics]:
-    """losses.eagle1_loss at every index."""
+    """An EAGLE-1 head's loss (losses.drafter_loss) at every index."""
     b, t = input_ids.shape
     out = head(input_ids[:, 1:], feature_noise(head.fuse(target_hidden[:, :-1]), config.feature_noise),
                torch.arange(t - 1, device=input_ids.device).expand(b, -1))
@@ -69,5 +77,5 @@ def eagle1_loss(head: DraftHead, input_ids: torch.Tensor, valid: torch.Tensor, t
     ce_loss = (soft_ce(out.logits, target_logits[:, 1:]) * keep).sum() / count.clamp(min=1)
     correct = ((out.logits.argmax(-1) == target_logits[:, 1:].argmax(-1)).float() * keep).sum()
     loss = config.feature_weight * feature_loss + config.ce_weight * ce_loss
-    return loss, {"loss/feature": feature_loss.detach() * count, "loss/ce": ce_loss.detach() * count,
+    return loss, {"loss/feature": feature_loss.detach() * count, "loss/step0": ce_loss.detach() * count,
                   "correct/step0": correct, "count/step0": count, "oov/step0": torch.zeros_like(count)}

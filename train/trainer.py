@@ -12,7 +12,8 @@
   (one reduce), together with every micro-step's loss (a NaN anywhere stops the run there) and the stop flags.
   A checkpoint or evaluation forces that sync first, so nothing is saved after a non-finite loss.
 - Illegal combinations rejected at setup: a launch whose process count/type differs from what was
-  expected; an offline cache whose layers differ from the head's fused layers; eagle1 with a draft vocab.
+  expected; an offline cache that does not hold the states the head reads; a draft vocab for a head without an
+  lm_head of its own.
 """
 
 from __future__ import annotations
@@ -105,12 +106,13 @@ class Trainer:
         c, acc = self.config, self.accelerator
         hc = c.head
         head_config = head_config_for(self.target, hc.type, draft_vocab_size=hc.draft_vocab_size,
-                                      fused_layer_ids=hc.fused_layer_ids, num_layers=hc.num_layers)
-        if c.data.hidden_states == "offline" and list(self.train_set.layer_ids) != list(head_config.fused_layer_ids):
-            raise ConfigError(f"the hidden-state cache {c.data.cache_dir} holds layers {self.train_set.layer_ids}, the "
-                              f"head fuses {list(head_config.fused_layer_ids)}: set head.fused_layer_ids to match")
+                                      fused_layer_ids=hc.fused_layer_ids, num_layers=hc.num_layers,
+                                      options=hc.options)
         head = DraftHead(head_config, self.target).to(acc.device)
-        if hc.type == "eagle3" and head_config.draft_vocab_size < head_config.vocab_size:
+        self.reads = head.reads(self.target.num_layers)  # the target states the head trains on
+        if c.data.hidden_states == "offline":
+            self.train_set.check_reads(self.reads, self.target.num_layers, c.data.cache_dir)
+        if head_config.draft_vocab_size < head_config.vocab_size:
             head.set_vocab_map(draft_vocab(c, self.target, self.train_set, head_config.draft_vocab_size, acc, self.log))
         return head
 
@@ -179,18 +181,18 @@ class Trainer:
         return {k: v.to(self.accelerator.device, non_blocking=True) for k, v in batch.items()}
 
     def _target_states(self, batch: dict[str, torch.Tensor]):
-        """-> (states [B, T, F or H], teacher): states from the frozen target or the offline cache; the teacher maps
+        """-> (states [B, T, F], teacher): the states the head reads, from the frozen target or the offline cache (the
+        final hidden state or the fused layers it holds); the teacher maps
         flat rows [n] of the batch to the target's logits there [n, V], through the target's own head (losses.py
         asks only for the rows that carry loss, in chunks)."""
-        eagle3 = self.head.config.head_type == "eagle3"
         with torch.no_grad():
-            if "hidden" in batch:  # offline cache (layer ids checked at setup)
+            if "hidden" in batch:  # offline cache (what it holds checked at setup)
                 hidden = batch["hidden"]
-                states = batch["features"] if eagle3 else hidden
+                states = hidden if self.reads == (self.target.num_layers,) else batch["features"]
             else:
-                out = self.target(batch["input_ids"], padding_mask=batch["attention_mask"],
-                                  layer_ids=self.head.config.fused_layer_ids, logits=False)
-                hidden, states = out.hidden, out.features if eagle3 else out.hidden
+                out = self.target(batch["input_ids"], padding_mask=batch["attention_mask"], layer_ids=self.reads,
+                                  logits=False)
+                hidden, states = out.hidden, out.features
         return states, target_teacher(self.target, hidden)
 
     def _forward(self, batch: dict[str, torch.Tensor]):

@@ -17,8 +17,8 @@ from typing import Any, Protocol
 import torch
 
 from ..config import HeadConfig
+from ..drafters.base import DraftHead
 from ..errors import InputError, MissingInput
-from ..head import DraftHead
 from .common import CONFIG_NAME, HEAD_FILES, read_config, stored_dtype
 
 

@@ -116,7 +116,7 @@ def llama_fields(c: HeadConfig, dtype: torch.dtype) -> dict[str, Any]:
 def check_state(state: dict[str, torch.Tensor], config: HeadConfig, folder: Path, layout: str,
                 pairs: list[tuple[str, str]]) -> None:
     """Every key a head of `config` has, with its shape; `pairs` (eyas -> foreign prefixes) name keys as stored."""
-    from ..head import DraftHead
+    from ..drafters.base import DraftHead
 
     with torch.device("meta"):
         expected = {k: v.shape for k, v in DraftHead(config).state_dict().items()}

@@ -1,6 +1,9 @@
 """eyas's own layout: config.json holds the HeadConfig (which alone rebuilds the head) including the identity
 of the target it was trained for; model.safetensors holds only the head's own weights and vocab maps,
-never the borrowed embedding or lm_head."""
+never the borrowed embedding or lm_head.
+
+Format 2 keeps the algorithm's own settings under `options`; format 1 (EAGLE-1 and EAGLE-3 heads of earlier eyas
+versions, EAGLE-3's `norm_before_residual` among the shape fields) reads as the same head."""
 
 from __future__ import annotations
 
@@ -18,7 +21,7 @@ from ..loading import load_safetensors
 from . import register
 from .common import CONFIG_NAME, HEAD_FILES, WEIGHTS_NAME
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 
 
 class EyasLayout:

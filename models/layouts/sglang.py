@@ -71,7 +71,7 @@ class SGLangLayout:
         fused = fused_from_foreign(ids, LAYER_ID_OFFSET, target, w)
         config = HeadConfig(head_type="eagle3", draft_vocab_size=int(required(raw, "draft_vocab_size", w)),
                             fused_layer_ids=fused, target=identity("", shape),
-                            norm_before_residual=bool(raw.get("norm_before_residual", False)),
+                            options={"norm_before_residual": bool(raw.get("norm_before_residual", False))},
                             sliding_window=window_from_foreign(raw, shape["num_layers"], w), **shape)
         foreign = read_weights(folder)
         if "fc.weight" not in foreign:
@@ -88,7 +88,7 @@ class SGLangLayout:
             raise InputError(f"the sglang layout holds eagle3 heads only; this head is {c.head_type}")
         if c.num_layers != 1:  # SGLang names a later layer's input norm `hidden_norm`: more than a prefix rename
             raise InputError(f"the sglang layout holds exactly 1 decoder layer; this head has {c.num_layers}")
-        if c.norm_before_residual:
+        if c.options.norm_before_residual:
             raise InputError("SGLang's EAGLE-3 midlayer keeps the raw hidden as its residual; this head was trained "
                              "with norm_before_residual: export it as speculators (vLLM) instead")
         if c.sliding_window is not None:

@@ -87,7 +87,7 @@ class SpeculatorsLayout:
         verifier = (spec.get("verifier") or {}).get("name_or_path") or ""
         config = HeadConfig(head_type="eagle3", draft_vocab_size=int(required(raw, "draft_vocab_size", w)),
                             fused_layer_ids=fused, target=identity(verifier, shape),
-                            norm_before_residual=bool(raw["norm_before_residual"]),
+                            options={"norm_before_residual": bool(raw["norm_before_residual"])},
                             sliding_window=window_from_foreign(llama, shape["num_layers"], w), **shape)
         foreign = read_weights(folder)
         if "fc.weight" not in foreign:
@@ -122,7 +122,7 @@ class SpeculatorsLayout:
             },
             "transformer_layer_config": llama,
             "draft_vocab_size": c.draft_vocab_size,
-            "norm_before_residual": c.norm_before_residual,
+            "norm_before_residual": c.options.norm_before_residual,
             "target_hidden_size": c.hidden_size,
             "eagle_aux_hidden_state_layer_ids": ids,
             "torch_dtype": llama["torch_dtype"],

@@ -7,7 +7,8 @@ from transformers import DynamicCache
 
 from eyas.inference.acceptance import verify
 from eyas.inference.drafter import Candidates, DraftContext
-from eyas.models import DraftHead, head_config_for
+from eyas.models import DraftHead, algorithm, head_config_for
+from eyas.models.drafters.eagle1 import Eagle1Head
 from eyas.models.kv_cache import KVCache
 
 PROMPTS = [list(range(10, 22)), [40, 41, 7], list(range(100, 131, 2))]
@@ -26,11 +27,22 @@ def greedy(target, prompt, n):
     return out
 
 
-def make_head(target, head_type="eagle3", seed=0):
+def assert_drafts_verified(results, accepted=True):
+    """Speculation ran over `results` (GenerationResults or their stats), so an identity check covered more than
+    plain decoding: some cycle verified draft nodes and (`accepted`; a random head may accept nothing) some draft
+    token was accepted: a cycle gained more than its bonus token."""
+    stats = [getattr(r, "stats", r) for r in results]
+    assert any(n > 0 for s in stats for n in s.drafted), "no cycle verified a draft: only plain decoding was tested"
+    if accepted:
+        assert any(a > 1 for s in stats for a in s.accepted), "no draft token was accepted"
+
+
+def make_head(target, head_type="eagle3", seed=0, **config):
+    """A random head of `head_type` (with an lm_head of its own: a 120-token draft vocabulary of random ids)."""
     torch.manual_seed(seed)
-    vocab = 120 if head_type == "eagle3" else None
-    head = DraftHead(head_config_for(target, head_type, draft_vocab_size=vocab), target)
-    if head_type == "eagle3":
+    reduced = algorithm(head_type).reduced_vocab
+    head = DraftHead(head_config_for(target, head_type, draft_vocab_size=120 if reduced else None, **config), target)
+    if reduced:
         head.set_vocab_map(torch.randperm(target.vocab_size)[:120])
     return head
 
@@ -98,7 +110,7 @@ def always_accept_first_child(logits, tree, s, generator=None):
     return torch.where(has, tree.tokens.gather(1, first.clamp(max=n - 1)), verify(logits, tree, s, generator))
 
 
-class OracleHead(DraftHead):
+class OracleHead(Eagle1Head):
     """Test-only EAGLE-1 head that knows each prompt's reference continuation (refs: prompt + continuation, in
     generate_batch order). Where the token it is given is the reference's at that position, its logits put the
     reference's next token first, so the real drafter (chain, static and dynamic expansions, the head's cache and

@@ -4,25 +4,40 @@ import pytest
 import torch
 from torch.overrides import TorchFunctionMode
 
-from eyas.inference import SpeculativeGenerator, TreeOptions
+from eyas.inference import GenerationStats, SpeculativeGenerator, TreeOptions
 from eyas.inference.bench import plain_decode
 from eyas.inference.costs import CostModel
-from eyas.inference.drafter import HeadDrafter
+from eyas.inference.drafting import TreeDrafter
 from eyas.inference.planner import Planner
-from eyas.inference.sampling import Sampling
 from eyas.models.masks import causal
-from tests.helpers.inference import NO_EOS, PROMPTS, Oracle, always_accept_first_child, greedy, make_head
+from eyas.models.sampling import Sampling
+from tests.helpers.inference import (
+    NO_EOS,
+    PROMPTS,
+    Oracle,
+    always_accept_first_child,
+    assert_drafts_verified,
+    greedy,
+    make_head,
+)
 from tests.helpers.tiny import FIXTURES, tiny_target
+
+# A fixed tree size: every cycle verifies drafts, however fast this machine is (`auto` lets the planner verify
+# none when a tree verify does not pay here, and the identity checks would cover plain decoding alone).
+DRAFTING = TreeOptions(total_tokens=8)
 
 
 @pytest.mark.parametrize("head_type", ["eagle1", "eagle3"])
 @pytest.mark.parametrize("arch,tied", FIXTURES)
 def test_greedy_matches_target_generate(arch, tied, head_type):
     target = tiny_target(arch, tied)
-    gen = SpeculativeGenerator(target, make_head(target, head_type))
+    gen = SpeculativeGenerator(target, make_head(target, head_type), DRAFTING)
+    results = []
     for prompt in PROMPTS:
         ref = target.model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=16, pad_token_id=1)
-        assert gen.generate(prompt, max_new_tokens=16).tokens == ref[0, len(prompt):].tolist()
+        results.append(gen.generate(prompt, max_new_tokens=16))
+        assert results[-1].tokens == ref[0, len(prompt):].tolist()
+    assert_drafts_verified(results)
 
 
 @pytest.mark.parametrize("options", [
@@ -37,6 +52,7 @@ def test_greedy_identity_across_tree_shapes(options):
     results = gen.generate_batch(PROMPTS, max_new_tokens=20, **NO_EOS)
     for prompt, res in zip(PROMPTS, results):
         assert res.tokens == greedy(target, prompt, 20)
+    assert_drafts_verified(results)
 
 
 @pytest.mark.parametrize("arch,tied", FIXTURES)
@@ -70,7 +86,7 @@ def test_head_drafter_matches_the_head_run_step_by_step():
     target = tiny_target("llama")
     head = make_head(target, "eagle3")
     for options in [TreeOptions(total_tokens=12, top_k=3, depth=4), TreeOptions(kind="static")]:
-        recorder = _Recorder(head, HeadDrafter(head, options.expansion()))
+        recorder = _Recorder(head, TreeDrafter(head, options.expansion()))
         # a verifier that accepts every first child makes each catch-up cover several tokens
         gen = SpeculativeGenerator(target, head, drafter=recorder, verifier=always_accept_first_child)
         gen.generate(PROMPTS[0], max_new_tokens=16, **NO_EOS)
@@ -128,47 +144,66 @@ def _check_scores(head, seen, tree):
 
 def test_eos_and_stop_strings_end_generation():
     target = tiny_target("llama")
-    gen = SpeculativeGenerator(target, make_head(target))
+    gen = SpeculativeGenerator(target, make_head(target), DRAFTING)
     ref = greedy(target, PROMPTS[0], 30)
     k = 9
     eos = ref[k]
     res = gen.generate(PROMPTS[0], max_new_tokens=30, eos_token_id=eos)
     assert res.tokens == ref[:ref.index(eos) + 1]
     word = target.tokenizer.decode([ref[k]])
-    res = gen.generate(PROMPTS[0], max_new_tokens=30, stop=[word], **NO_EOS)
+    stopped = gen.generate(PROMPTS[0], max_new_tokens=30, stop=[word], **NO_EOS)
     first = next(j for j in range(30) if word in target.tokenizer.decode(ref[:j + 1]))
-    assert res.tokens == ref[:first + 1] and res.text.endswith(word)
+    assert stopped.tokens == ref[:first + 1] and stopped.text.endswith(word)
+    assert_drafts_verified([res, stopped])
 
 
 def test_stream_yields_the_generated_text_in_pieces():
     target = tiny_target("llama")
-    gen = SpeculativeGenerator(target, make_head(target))
-    pieces = list(gen.stream(PROMPTS[1], max_new_tokens=12, **NO_EOS))
+    gen = SpeculativeGenerator(target, make_head(target), DRAFTING)
+    stats = GenerationStats()
+    pieces = list(gen.stream(PROMPTS[1], max_new_tokens=12, stats=stats, **NO_EOS))
     assert len(pieces) > 1
     assert "".join(pieces) == gen.generate(PROMPTS[1], max_new_tokens=12, **NO_EOS).text
+    assert_drafts_verified([stats])
 
 
 def test_chat_messages_and_text_prompts():
     target = tiny_target("llama")
-    gen = SpeculativeGenerator(target, make_head(target))
+    gen = SpeculativeGenerator(target, make_head(target), DRAFTING)
     messages = [{"role": "user", "content": "hello world"}]
     ids = target.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)["input_ids"]
     assert gen.encode(messages) == ids
-    assert gen.generate(messages, max_new_tokens=8, **NO_EOS).tokens == greedy(target, ids, 8)
+    res = gen.generate(messages, max_new_tokens=8, **NO_EOS)
+    assert res.tokens == greedy(target, ids, 8)
+    assert_drafts_verified([res])
     assert gen.encode("hello world") == target.tokenizer("hello world").input_ids
     with pytest.raises(ValueError, match="empty"):
         gen.generate([], max_new_tokens=4)
 
 
-def test_auto_total_tokens_tunes_once_and_stays_exact():
+def test_auto_total_tokens_tunes_once_and_stays_exact(monkeypatch):
+    """The first generation measures this machine's costs, once; the planner's trees keep greedy identity. It plans
+    with fixed costs under which trees pay, so what it verifies rests on the head's confidence, not on how loaded
+    this machine is (measured costs may make every cycle plain, and the identity check moot)."""
+    import eyas.inference.generator as generator
+
+    measure, measured = generator.calibrate, []
+
+    def calibrate(*args, **kwargs):
+        measured.append(measure(*args, **kwargs))
+        return CostModel(1.0, 0.01, 1.0, 0.001, learn=False)
+
+    monkeypatch.setattr(generator, "calibrate", calibrate)
     target = tiny_target("mistral")
     gen = SpeculativeGenerator(target, make_head(target), TreeOptions(total_tokens="auto", top_k=4, depth=5))
     res = gen.generate(PROMPTS[2], max_new_tokens=10, **NO_EOS)
     planner = gen.planner
-    assert planner is not None and planner.rate > 0
+    assert planner is not None and len(measured) == 1 and measured[0].verify(0, 0) > 0
     assert all(0 <= n <= 4 + 4 * 4 * 4 + gen.options.lookup for n in res.stats.drafted)
     assert res.tokens == greedy(target, PROMPTS[2], 10)
+    assert_drafts_verified([res], accepted=False)  # a random head
     assert gen.generate(PROMPTS[0], max_new_tokens=4).tokens and gen.planner is planner  # tuned once
+    assert len(measured) == 1
 
 
 def test_plain_cycles_keep_greedy_identity_and_the_head_catches_up():
@@ -223,6 +258,7 @@ def test_finished_rows_leave_the_batch():
     res = gen.generate_batch(PROMPTS, max_new_tokens=20, eos_token_id=eos)
     assert res[1].tokens == refs[1][:refs[1].index(eos) + 1]
     assert res[0].tokens == refs[0] and res[2].tokens == refs[2]
+    assert_drafts_verified(res, accepted=False)  # a random head, no lookup: acceptance is not the point here
     assert rows_per_forward[0] == 3 and rows_per_forward[-1] == 2
     assert sorted(rows_per_forward, reverse=True) == rows_per_forward
     assert len(res[1].stats.accepted) < len(res[0].stats.accepted)

@@ -85,11 +85,10 @@ def test_planner_sizes_lookup_branches_by_the_match_length_they_came_from():
 
     # plain decoding (no head nodes) on a machine where each extra verified token costs 5% of a forward
     planner = Planner(CostModel(1.0, 0.05, 1.0, 0.01, learn=False), max_depth=2, lookup_max=8, slack=100.0)
-    planner.should_draft(100, 1)
-    prior = planner.lookup_sizes(0)
+    prior = planner.plan(100, 1).lookup_sizes(0)
     assert prior[0] == prior[1] == prior[2] > 0  # nothing observed yet: every match length alike
     for _ in range(30):  # one-token matches are rejected at once, three-token ones copied to the end
         planner.observe_lookup([8, 8], [0, 8], [1, 3])
-    one, two, three = planner.lookup_sizes(0)
+    one, two, three = planner.plan(100, 1).lookup_sizes(0)
     assert one == 0 and three == 8
     assert two == prior[1]  # a match length never seen keeps its prior

@@ -34,17 +34,18 @@ class Machine:
         planner.begin()
         while done < tokens:
             nodes, levels, gained, draft_s = 0, 0, 1, 0.0
-            if planner.should_draft(context + done, 1):
+            plan = planner.plan(context + done, 1)
+            if plan.draft:
                 levels = 2
                 scores = log(np.full((1, self.nodes), self.conf))
-                nodes = planner.choose(scores, levels)
+                nodes = plan.choose(scores, levels)
                 draft_s = self.step * levels
                 # each verified node is the next token with probability `accept` (a chain of the best guesses)
                 while gained <= nodes and self.rng.random() < self.accept:
                     gained += 1
                 planner.observe(np.full(self.nodes, self.conf), np.arange(self.nodes) < gained - 1)
             rest_s = self.plain if nodes == 0 else self.verify[0] + self.verify[1] * (nodes + 1)
-            planner.observe_cycle(nodes, levels, gained, draft_s, rest_s)
+            planner.observe_cycle(plan, nodes, levels, gained, draft_s, rest_s)
             seconds += draft_s + rest_s
             done += gained
             cycles.append((levels, nodes))
@@ -54,29 +55,27 @@ class Machine:
 # ---- choosing ---------------------------------------------------------------------------------------
 def test_planner_verifies_the_nodes_that_pay_for_their_verify_cost():
     planner = _planner(slack=100.0)  # the guard allows anything: this is the value of a tree alone
-    planner.should_draft(200, 1)
     rate = planner.rate
     sure, hopeless = np.full((1, 16), 0.999), np.full((1, 16), 1e-3)
-    assert planner.choose(log(hopeless), 1) == 0  # plain decoding: no node is worth the wider forward
-    assert planner.choose(log(sure), 1) == 16  # each sure node gains ~1 token for 0.1 s
+    assert planner.plan(200, 1).choose(log(hopeless), 1) == 0  # plain decoding: no node is worth the wider forward
+    assert planner.plan(200, 1).choose(log(sure), 1) == 16  # each sure node gains ~1 token for 0.1 s
     # falling confidences: stop where one more node gains less than its verify seconds earn at rate λ
     conf = np.array([[0.9, 0.6, 0.3, 0.05, 0.01]])
     p = planner.accept_prob(conf)[0]
-    n = planner.choose(log(conf), 1)
+    n = planner.plan(200, 1).choose(log(conf), 1)
     value = [0.0 - rate * 1.0] + [p[:k].sum() - rate * (1.0 + 0.1 * (k + 1)) for k in range(1, 6)]
     assert n == int(np.argmax(value)) and 0 < n < 5
-    assert planner.choose(log(np.concatenate([conf, hopeless[:, :5]])), 1) <= n  # one count for the batch
+    assert planner.plan(200, 1).choose(log(np.concatenate([conf, hopeless[:, :5]])), 1) <= n  # one count per batch
 
 
 def test_planner_calibrates_confidence_from_what_the_target_accepted():
     planner = _planner(slack=100.0)
-    planner.should_draft(200, 1)
     conf = np.full(20, 0.8)
     assert planner.accept_prob(conf)[0] == pytest.approx(0.8, abs=0.1)  # prior: the raw confidence
     for _ in range(30):  # an overconfident head: nothing at 0.8 is ever on the target's continuation
         planner.observe(conf, np.zeros(20, bool))
     assert planner.accept_prob(conf)[0] < 0.05
-    assert planner.choose(log(conf[None]), 1) == 0
+    assert planner.plan(200, 1).choose(log(conf[None]), 1) == 0
     planner = _planner()
     for _ in range(30):  # an underconfident head: everything at 0.3 is accepted
         planner.observe(np.full(20, 0.3), np.ones(20, bool))
@@ -90,36 +89,41 @@ def test_planner_calibrates_confidence_from_what_the_target_accepted():
 
 def test_planner_drafts_while_it_pays_and_probes_while_it_does_not():
     planner = _planner(slack=100.0)
-    assert planner.should_draft(200, 1)  # optimistic start
+
+    def drafted(conf: float) -> None:  # a drafting cycle whose candidates all have confidence `conf`
+        plan = planner.plan(200, 1)
+        plan.choose(log(np.full((1, 8), conf)), 1)
+        planner.observe_cycle(plan, 0, 1, 1.0, 0.05, 1.0)
+
+    assert planner.plan(200, 1).draft  # optimistic start
     for _ in range(40):  # the head is hopeless: every cycle's best choice is plain decoding
-        planner.choose(log(np.full((1, 8), 1e-3)), 1)
-    planner.observe_cycle(0, 1, 1.0, 0.05, 1.0)
+        drafted(1e-3)
     gaps, since = [], 0
     for _ in range(60):  # drafting only as a probe, ever further apart
         since += 1
-        if planner.should_draft(200, 1):
+        plan = planner.plan(200, 1)
+        if plan.draft:
             gaps.append(since)
             since = 0
-            planner.choose(log(np.full((1, 8), 1e-3)), 1)
-            planner.observe_cycle(0, 1, 1.0, 0.05, 1.0)
+            plan.choose(log(np.full((1, 8), 1e-3)), 1)
+            planner.observe_cycle(plan, 0, 1, 1.0, 0.05, 1.0)
         else:
-            planner.observe_cycle(0, 0, 1.0, 0.0, 1.0)
+            planner.observe_cycle(plan, 0, 0, 1.0, 0.0, 1.0)
     assert len(gaps) >= 3 and gaps == sorted(gaps) and gaps[-1] > gaps[0]
     for _ in range(5):  # a probe finds a confident head: drafting every cycle again
-        planner.choose(log(np.full((1, 8), 0.999)), 1)
-    assert all(planner.should_draft(200, 1) for _ in range(5))
+        drafted(0.999)
+    assert all(planner.plan(200, 1).draft for _ in range(5))
 
 
 def test_planner_stops_drafting_at_a_level_that_cannot_pay():
     planner = _planner(slack=100.0)
-    planner.should_draft(200, 1)
     frontier = np.array([[0.9, 0.5, 0.2, 0.1]])
-    assert planner.keep_drafting(log(frontier))
+    assert planner.plan(200, 1).keep_drafting(log(frontier))
     # the next level's nodes could at best add what their parents have: here far less than a step costs
-    assert not planner.keep_drafting(log(np.full((1, 4), 1e-3)))
+    assert not planner.plan(200, 1).keep_drafting(log(np.full((1, 4), 1e-3)))
     for _ in range(50):  # levels below confident frontiers keep earning nothing: stop at the frontier
-        planner.observe_levels([(np.log(frontier), np.log(np.full((1, 16), 1e-3)))])
-    assert not planner.keep_drafting(log(frontier))
+        planner.observe_levels([(np.log(frontier), np.log(np.full((1, 16), 1e-3)))], 200)
+    assert not planner.plan(200, 1).keep_drafting(log(frontier))
 
 
 def test_a_verify_that_grows_with_the_context_makes_trees_smaller_there():
@@ -133,10 +137,8 @@ def test_a_verify_that_grows_with_the_context_makes_trees_smaller_there():
     assert costs.verify(8, 4000) > costs.verify(8, 500) + 0.8 * 0.03 * 9 * 3.5
     planner = _planner(costs, slack=100.0)
     conf = log(np.linspace(0.9, 0.02, 16)[None])
-    planner.should_draft(300, 1)
-    short = planner.choose(conf, 1)
-    planner.should_draft(6000, 1)
-    assert 0 < planner.choose(conf, 1) < short
+    short = planner.plan(300, 1).choose(conf, 1)
+    assert 0 < planner.plan(6000, 1).choose(conf, 1) < short
 
 
 # ---- the cost model ---------------------------------------------------------------------------------
@@ -202,19 +204,21 @@ def test_a_good_head_is_never_held_back():
 def test_the_guard_caps_a_cycle_whose_worst_case_the_allowance_cannot_cover():
     planner = _planner(CostModel(1.0, 0.2, 1.0, 0.05, learn=False), slack=2.0, margin=0.0)
     sure = log(np.full((1, 16), 0.999))
-    assert planner.should_draft(200, 1)
+    plan = planner.plan(200, 1)
+    assert plan.draft
     # 16 sure nodes would pay (4.4 s for 17 tokens) but risk 3.4 s of an allowance of 2 s, 0.05 s of it drafted:
     # the most nodes whose verify adds at most 1.95 s to a plain step
-    assert planner.choose(sure, 1) == 8
-    assert planner.should_draft(200, 1)
+    assert plan.choose(sure, 1) == 8
+    plan = planner.plan(200, 1)
+    assert plan.draft
     confident = log(np.full((1, 4), 0.99))
-    assert planner.keep_drafting(confident) and planner.keep_drafting(confident)  # levels 2, 3: 0.15 s drafted
-    planner.left = 0.17  # what remains of the allowance: a fourth level (0.2 s) would overspend it
-    assert not planner.keep_drafting(confident)
+    assert plan.keep_drafting(confident) and plan.keep_drafting(confident)  # levels 2, 3: 0.15 s drafted
+    plan.left = 0.17  # what remains of the allowance: a fourth level (0.2 s) would overspend it
+    assert not plan.keep_drafting(confident)
     planner.begin()
     planner.excess = 5.0  # this generation has lost more than it may: plain decoding until it earns it back
-    assert not planner.should_draft(200, 1)
-    assert planner.lookup_sizes(0) == [0, 0, 0]
+    plan = planner.plan(200, 1)
+    assert not plan.draft and plan.lookup_sizes(0) == [0, 0, 0]
 
 
 def test_head_candidates_are_labelled_by_the_target_continuation():

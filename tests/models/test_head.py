@@ -101,7 +101,7 @@ def test_drafting_through_the_cache_matches_one_masked_block(norm_before_residua
 
     target = tiny_target("llama", num_layers=8)
     config = dataclasses.replace(head_config_for(target, "eagle3", draft_vocab_size=100),
-                                 norm_before_residual=norm_before_residual, sliding_window=window)
+                                 options={"norm_before_residual": norm_before_residual}, sliding_window=window)
     torch.manual_seed(2)
     head = DraftHead(config, target)
     with torch.no_grad():
@@ -126,7 +126,8 @@ def test_a_head_with_its_own_window_drafts_what_its_paths_compute_alone():
     """A head with `sliding_window` (released EAGLE-3 heads for sliding-window targets carry one): every draft node's
     score, over two cycles, equals running the head along that node's path alone, in one cache-free forward per step
     under a dense mask of that window; without the window the same reference disagrees."""
-    from eyas.inference.drafter import DraftContext, HeadDrafter, TreeOptions
+    from eyas.inference.drafter import DraftContext, TreeOptions
+    from eyas.inference.drafting import TreeDrafter
 
     target = tiny_target("llama")
     window = 4
@@ -135,7 +136,7 @@ def test_a_head_with_its_own_window_drafts_what_its_paths_compute_alone():
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(4, 300, (1, 17), generator=g)
     features = target(ids, layer_ids=head.config.fused_layer_ids).features
-    drafter = HeadDrafter(head, TreeOptions(total_tokens=12, top_k=3, depth=4).expansion())
+    drafter = TreeDrafter(head, TreeOptions(total_tokens=12, top_k=3, depth=4).expansion())
     drafter.reset(1, 64)
 
     def context(a, b):  # EAGLE shift: the feature at position t goes with token t + 1
@@ -167,3 +168,40 @@ def test_a_head_with_its_own_window_drafts_what_its_paths_compute_alone():
                 assert abs(reference_score(b, path, window) - float(tree.scores[0, i])) < 1e-4, (b, i)
                 mismatches_without_window += abs(reference_score(b, path, 10 ** 6) - float(tree.scores[0, i])) > 1e-4
     assert mismatches_without_window > 0
+
+
+def test_a_parallel_drafter_proposes_through_its_cache_what_one_masked_block_computes():
+    """P-EAGLE: catch-ups of rows of different lengths through the head's cache, then one forward with k - 1 masked
+    positions, give the logits of one block over the whole context under the literal mask (the context causal;
+    masked position d seeing the context and masked positions <= d), and keep only the real entries."""
+    target = tiny_target("llama", num_layers=6)
+    torch.manual_seed(3)
+    head = DraftHead(head_config_for(target, "peagle", draft_vocab_size=100, num_layers=2), target)
+    with torch.no_grad():
+        for p in head.parameters():
+            p.add_(torch.randn_like(p) * 0.1)
+    k, lengths = 4, [9, 6]
+    ids = torch.randint(4, 300, (2, 10), generator=torch.Generator().manual_seed(0))
+    features = target(ids, layer_ids=head.config.fused_layer_ids).features
+    pos = torch.arange(10).expand(2, -1)
+    cache = head.new_cache(2, 32)
+    first = [5, 3]  # seen in an earlier cycle, then the rest up to each row's root
+    head.propose(ids[:, :5], features[:, :5], pos[:, :5], first, cache, k)
+    assert cache.host_lengths == first
+    rest = [n - f for n, f in zip(lengths, first)]
+    take = torch.stack([torch.cat([torch.arange(f, n), torch.full((max(rest) - (n - f),), n - 1)])
+                        for f, n in zip(first, lengths)])
+    got = head.propose(ids.gather(1, take), features.gather(1, take[..., None].expand(-1, -1, features.shape[-1])),
+                       pos.gather(1, take), rest, cache, k)
+    assert cache.host_lengths == lengths
+    for b, n in enumerate(lengths):  # each row alone, one block without a cache
+        mask_ids, mask_state = head.mask_inputs((1, k - 1), ids.device)
+        block_ids = torch.cat([ids[b:b + 1, :n], mask_ids], 1)
+        state = torch.cat([head.fuse(features[b:b + 1, :n]), mask_state], 1)
+        positions = torch.cat([pos[b:b + 1, :n], n - 1 + torch.arange(1, k)[None]], 1)
+        allowed = torch.zeros(1, n + k - 1, n + k - 1, dtype=torch.bool)
+        allowed[:, :n, :n] = torch.ones(n, n, dtype=torch.bool).tril()
+        allowed[:, n:, :n] = True
+        allowed[:, n:, n:] = torch.ones(k - 1, k - 1, dtype=torch.bool).tril()
+        want = head(block_ids, state, positions, allowed).logits[0, n - 1:]
+        torch.testing.assert_close(got[b], want, rtol=1e-5, atol=1e-5)

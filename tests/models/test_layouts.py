@@ -1,5 +1,6 @@
 import dataclasses
 import importlib.metadata
+import importlib.util
 import json
 import logging
 
@@ -14,6 +15,7 @@ from eyas.models import DraftHead, Target, load_head, save_head
 from eyas.models.head_config import head_config_for
 from eyas.models.layouts import export_head
 from eyas.models.layouts.speculators import SPECULATORS_VERSION
+from eyas.models.masks import causal
 from tests.helpers.tiny import tiny_model, tiny_target, tiny_tokenizer
 
 LAYER0 = ["self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight", "self_attn.o_proj.weight",
@@ -24,7 +26,10 @@ IDS = torch.randint(4, 300, (2, 7), generator=torch.Generator().manual_seed(0))
 def _head(target, head_type="eagle3", seed=1, draft_vocab_size=100, fused_layer_ids=None, num_layers=1, **fields):
     torch.manual_seed(seed)
     config = head_config_for(target, head_type, draft_vocab_size, fused_layer_ids, num_layers)
-    head = DraftHead(dataclasses.replace(config, **fields), target)
+    option_names = {f.name for f in dataclasses.fields(config.options)}
+    options = {k: fields.pop(k) for k in list(fields) if k in option_names}
+    head = DraftHead(dataclasses.replace(config, options={**dataclasses.asdict(config.options), **options}, **fields),
+                     target)
     with torch.no_grad():  # random norms too, so a swapped or dropped norm changes the logits
         for p in head.parameters():
             p.copy_(torch.randn_like(p) * 0.1 + (1.0 if p.ndim == 1 else 0.0))
@@ -165,7 +170,7 @@ def test_speculators_layout_fields_and_keys(tmp_path):
     assert config["speculators_model_type"] == "eagle3" and config["architectures"] == ["Eagle3Speculator"]
     assert config["eagle_aux_hidden_state_layer_ids"] == [2, 4, 5]  # vLLM numbering = eyas numbering
     assert config["norm_before_residual"] is True and config["draft_vocab_size"] == 100
-    assert config["speculators_version"] == SPECULATORS_VERSION  # speculators is not installed beside eyas
+    assert config["speculators_version"] == SPECULATORS_VERSION  # installed (as on CI) or the release followed
     spec = config["speculators_config"]
     assert spec["algorithm"] == "eagle3" and spec["default_proposal_method"] == "greedy"
     method = spec["proposal_methods"][0]
@@ -180,7 +185,7 @@ def test_speculators_layout_fields_and_keys(tmp_path):
                             "layers.1.input_layernorm.weight", *[f"layers.{i}.{k}" for i in (0, 1) for k in LAYER0]}
     assert torch.equal(weights["embed_tokens.weight"], target.embed_tokens.weight)  # speculators loads it from here
     again = load_head(folder, target)
-    assert again.config.norm_before_residual
+    assert again.config.options.norm_before_residual
     torch.testing.assert_close(_logits(again, target), _logits(head, target), rtol=0, atol=0)
 
 
@@ -212,6 +217,60 @@ def test_sliding_window_head_exports_its_window_to_vllm_only(tmp_path):
         _export(head, tmp_path, "sglang", target, "s")
     with pytest.raises(ValueError, match="norm_before_residual"):
         _export(_head(target, norm_before_residual=True), tmp_path, "sglang", target, "n")
+
+
+# head fields -> a speculators export the library's own model must compute as eyas does: the fused ids sorted,
+# padded with a zero block or summed, the variant flag, a full vocabulary without maps, several layers, a window
+SPECULATORS_HEADS = {
+    "reduced-vocab": dict(),
+    "unsorted-norm-before-residual": dict(fused_layer_ids=(5, 2, 4), norm_before_residual=True),
+    "two-layers-fused": dict(fused_layer_ids=(4, 2)),
+    "repeated-layer": dict(fused_layer_ids=(2, 2, 5)),
+    "full-vocab-two-decoder-layers": dict(draft_vocab_size=320, num_layers=2),
+    "sliding-window": dict(sliding_window=4),
+}
+
+
+def _drafting_logits(head, target):
+    """`_logits` as drafting computes them: through the head's cache with a mask, where its own window applies."""
+    b, t = IDS.shape
+    feat = head.fuse(target(IDS, layer_ids=head.config.fused_layer_ids).features)
+    logits = head(IDS, feat, torch.arange(t).expand(b, -1), causal(t)[None].expand(b, -1, -1),
+                  head.new_cache(b, t)).logits
+    full = logits.new_full((b, t, head.config.vocab_size), float("-inf"))
+    full[..., head.draft_to_target] = logits
+    return full
+
+
+@pytest.mark.skipif(importlib.util.find_spec("speculators") is None,
+                    reason="the speculators library is not installed (.ci/run installs it)")
+@pytest.mark.parametrize("fields", SPECULATORS_HEADS.values(), ids=SPECULATORS_HEADS)
+def test_speculators_library_computes_the_exported_heads_logits(tmp_path, monkeypatch, fields):
+    """speculators 0.9.0's own Eagle3DraftModel loads the speculators export (the verifier's weights from the target
+    folder it names) and computes the head's draft logits from the states vLLM captures for its aux ids."""
+    from speculators.models.eagle3 import Eagle3DraftModel
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    model = tiny_model("llama", num_layers=8)
+    model.save_pretrained(tmp_path / "target")
+    target = Target(model, tiny_tokenizer(), str(tmp_path / "target"))
+    head = _head(target, **fields)
+    folder = _export(head, tmp_path, "speculators", target)
+    theirs = Eagle3DraftModel.from_pretrained(str(folder)).eval()
+    aux_ids = json.loads((folder / "config.json").read_text())["eagle_aux_hidden_state_layer_ids"]
+    states = target.model(IDS, output_hidden_states=True).hidden_states
+    aux = torch.cat([states[i] for i in aux_ids], dim=-1)
+    drafts = []
+    theirs.lm_head.register_forward_hook(lambda module, args, out: drafts.append(out))
+    with torch.no_grad():  # one TTT step drafts at every position; speculators takes one packed sequence per call
+        for row in range(IDS.shape[0]):
+            theirs(aux[row:row + 1], IDS[row:row + 1], document_ids=torch.zeros_like(IDS[row:row + 1]),
+                   position_ids=torch.arange(IDS.shape[1])[None], ttt_steps=1)
+    draft = torch.cat(drafts)  # [B, T, draft vocab], rows in the export's order
+    logits = draft.new_full((*draft.shape[:2], target.vocab_size), float("-inf"))
+    logits[..., torch.arange(draft.shape[-1]) + (theirs.d2t if theirs.use_draft_vocab else 0)] = draft
+    # the same fp32 head by two implementations (flex attention and other kernels): rounding apart, ~2e-6 here
+    torch.testing.assert_close(logits, _drafting_logits(head, target), rtol=1e-5, atol=1e-5)
 
 
 def test_eagle1_export_loads_in_the_pypi_reference(tmp_path, caplog):
@@ -311,7 +370,7 @@ def _write(folder, config, weights, bin_file=False):
 
 def _check_released(folder, target, weights, llama, fused, norm_before_residual):
     head = load_head(folder, target)
-    assert head.config.fused_layer_ids == fused and head.config.norm_before_residual == norm_before_residual
+    assert head.config.fused_layer_ids == fused and head.config.options.norm_before_residual == norm_before_residual
     expected = _reference_eagle3(weights, llama, target, fused, norm_before_residual)
     full = expected.new_full((2, 7, 320), float("-inf"))
     full[..., torch.arange(100) + weights["d2t"]] = expected

@@ -20,7 +20,7 @@ def main(folder: str, report_dir: str) -> None:
     model, tok, name = load_model_and_tokenizer(folder, torch.float32, distributed=ts.fsdp_config(folder, world, world))
     target = Target(model, tok, name)
     held, total = ts.held_parameters(target)
-    reference = Target.load(folder, device="cpu")
+    reference = Target.load(folder, dtype="fp32", device="cpu")
     ids = torch.arange(4, 40).view(2, 18)
     out, ref = target(ids, layer_ids=[1, 2, 4]), reference(ids, layer_ids=[1, 2, 4])
     hidden = torch.randn(5, target.hidden_size, generator=torch.Generator().manual_seed(0))

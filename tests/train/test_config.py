@@ -38,7 +38,7 @@ def test_unknown_key_names_the_nearest_valid_key(override, expected):
 @pytest.mark.parametrize("override, expected", [
     ("optim.lr=fast", "optim.lr must be a number"),
     ("batch.size=1.5", "batch.size must be an integer"),
-    ("head.type=eagle2", "head.type must be one of"),
+    ("head.type=eagle2", "head.type 'eagle2' is not one of"),
     ("optim.betas=[0.9]", "optim.betas must have 2 items"),
     ("data.hidden_states=offline", "needs data.cache_dir"),
     ("loss.ttt_steps=0", "ttt_steps must be >= 1"),
@@ -48,9 +48,17 @@ def test_mistyped_values_name_the_key(override, expected):
         load_config(None, [override])
 
 
-def test_eagle1_rejects_eagle3_only_keys():
-    with pytest.raises(ConfigError, match="draft_vocab_size is for eagle3"):
+def test_each_head_type_takes_only_its_own_keys():
+    with pytest.raises(ConfigError, match="draft_vocab_size is for heads with an lm_head of their own"):
         load_config(None, ["head.type=eagle1", "head.draft_vocab_size=100"])
+    with pytest.raises(ConfigError, match="head.type 'eagle4' is not one of eagle1, eagle3, peagle"):
+        load_config(None, ["head.type=eagle4"])
+    with pytest.raises(ConfigError, match="did you mean 'norm_output'"):
+        load_config(None, ["head.options.norm_outptu=true"])
+    with pytest.raises(ConfigError, match="eagle1 heads have no option 'norm_output'"):
+        load_config(None, ["head.type=eagle1", "head.options.norm_output=true"])
+    c = load_config(None, ["head.type=peagle", "head.options.depths=4"])
+    assert c.head.options == {"depths": 4}
 
 
 def test_resolved_config_round_trips():

@@ -2,15 +2,17 @@
 the optimised losses equal the every-position reference (train/losses_reference.py) in value and gradients,
 out-of-draft-vocab positions are counted, and the acceptance-length estimate."""
 
+import functools
+
 import pytest
 import torch
 
-from eyas.models import DraftHead, head_config_for
+from eyas.models import DraftHead, algorithm, head_config_for
 from eyas.models.layers import attend
 from eyas.models.masks import additive, causal
 from eyas.models.ttt import TTTAttention
 from eyas.train.config import LossConfig
-from eyas.train.losses import acceptance, eagle1_loss, eagle3_ttt_loss, soft_cross_entropy
+from eyas.train.losses import acceptance, drafter_loss, soft_cross_entropy
 from eyas.train.losses_reference import eagle1_loss as reference_eagle1
 from eyas.train.losses_reference import eagle3_loss as reference_eagle3
 from eyas.train.losses_reference import soft_ce as reference_soft_ce
@@ -85,7 +87,7 @@ def test_ttt_loss_counts_out_of_vocab_and_masks_invalid(setup):
     target, head, ids, out = setup
     valid = torch.ones_like(ids, dtype=torch.bool)
     valid[1, 6:] = False
-    loss, m = eagle3_ttt_loss(head, ids, valid, out.features, out.logits, LossConfig(ttt_steps=3))
+    loss, m = drafter_loss(head, ids, valid, out.features, out.logits, LossConfig(ttt_steps=3))
     assert torch.isfinite(loss) and loss > 0
     assert m["count/step0"].item() == 9 + 5 and m["count/step2"].item() == 7 + 3
     top = out.logits.argmax(-1)
@@ -128,9 +130,9 @@ def test_eagle1_loss_reads_next_feature_and_counts_top1():
     ids = torch.randint(4, 300, (2, 8))
     out = target(ids)
     valid = torch.ones_like(ids, dtype=torch.bool)
-    loss, m = eagle1_loss(head, ids, valid, out.hidden, out.logits, LossConfig(ce_weight=0.1))
+    loss, m = drafter_loss(head, ids, valid, out.hidden, out.logits, LossConfig(ce_weight=0.1))
     assert m["count/step0"].item() == 2 * 7
-    feature_only, _ = eagle1_loss(head, ids, valid, out.hidden, out.logits, LossConfig(ce_weight=0.0))
+    feature_only, _ = drafter_loss(head, ids, valid, out.hidden, out.logits, LossConfig(ce_weight=0.0))
     assert loss > feature_only > 0
 
 
@@ -147,36 +149,46 @@ def _grads(head):
 
 
 def _head_and_states(target, head_type: str, length: int, **head_kw):
-    """A seeded random head over `target` (eagle3: a 64-token draft vocabulary), 3 random sequences of `length`
-    tokens, the target's outputs on them and the states the head reads (eagle3: fused features, eagle1: hidden)."""
+    """A seeded random head over `target` (with an lm_head of its own: a 64-token draft vocabulary), 3 random sequences
+    of `length` tokens, the target's outputs on them and the states the head reads."""
     torch.manual_seed(0)
-    eagle3 = head_type == "eagle3"
-    head = DraftHead(head_config_for(target, head_type, draft_vocab_size=64 if eagle3 else None, **head_kw), target)
-    if eagle3:
+    reduced = algorithm(head_type).reduced_vocab
+    head = DraftHead(head_config_for(target, head_type, draft_vocab_size=64 if reduced else None, **head_kw), target)
+    if reduced:
         head.set_vocab_map(torch.arange(0, 128, 2))
     ids = torch.randint(4, 300, (3, length))
-    out = target(ids, layer_ids=head.config.fused_layer_ids)
-    return head, ids, out, out.features if eagle3 else out.hidden
+    out = target(ids, layer_ids=head.reads(target.num_layers))
+    return head, ids, out, out.features
 
 
-@pytest.mark.parametrize("head_type, arch, layers, window", [
-    ("eagle3", "llama", 1, None), ("eagle3", "qwen2", 1, None), ("eagle3", "llama", 2, None),
-    ("eagle1", "llama", 1, None), ("eagle1", "qwen2", 1, None),
-    ("eagle3", "llama", 2, 2),  # a head with its own sliding window, shorter than the TTT unroll
+# EAGLE-3.1's norms: one per fused state before the fc, and the post-norm state fed to the next step
+EAGLE31 = {"fc_norm": True, "norm_output": True}
+# P-EAGLE with every row of every depth kept (the reference evaluates every depth at every anchor)
+PEAGLE_ALL = {"depths": 4, "depth_keep": 1.0, "depth_keep_min": 1.0}
+
+
+@pytest.mark.parametrize("head_type, arch, layers, window, options", [
+    ("eagle3", "llama", 1, None, {}), ("eagle3", "qwen2", 1, None, {}), ("eagle3", "llama", 2, None, {}),
+    ("eagle1", "llama", 1, None, {}), ("eagle1", "qwen2", 1, None, {}),
+    ("eagle3", "llama", 2, 2, {}),  # a head with its own sliding window, shorter than the TTT unroll
+    ("eagle3", "llama", 2, None, EAGLE31), ("eagle3", "qwen2", 1, None, {"norm_before_fc": True}),
+    ("peagle", "llama", 2, None, PEAGLE_ALL), ("peagle", "qwen2", 2, 2, {**PEAGLE_ALL, **EAGLE31}),
 ])
-def test_optimised_loss_and_gradients_equal_the_reference(head_type, arch, layers, window):
+def test_optimised_loss_and_gradients_equal_the_reference(head_type, arch, layers, window, options):
     """Loss, metrics and every gradient match the every-index reference, with prompt/assistant/padding
     masks that leave some rows without loss at late steps, indices at the end that lead to no loss
     (trimmed), step-0 rows that only leave keys/values, and one row without any loss. With two
     layers the first one must still run at every index (the second reads its keys/values)."""
     target = tiny_target(arch)
-    eagle3 = head_type == "eagle3"
-    head, ids, out, states = _head_and_states(target, head_type, 14, num_layers=layers, sliding_window=window)
+    head, ids, out, states = _head_and_states(target, head_type, 14, num_layers=layers, sliding_window=window,
+                                              options=options)
     valid = torch.zeros_like(ids, dtype=torch.bool)
     valid[0, 3:7] = valid[0, 10:12] = True  # two assistant turns
     valid[1, 5:9] = True  # then padding
     config = LossConfig(ttt_steps=4, feature_noise=0.1)
-    fast, reference = (eagle3_ttt_loss, reference_eagle3) if eagle3 else (eagle1_loss, reference_eagle1)
+    reference = {"eagle3": reference_eagle3, "eagle1": reference_eagle1,
+                 "peagle": functools.partial(reference_eagle3, masked=True)}[head_type]
+    fast = drafter_loss
     results = []
     for fn in (fast, reference):
         head.zero_grad()
@@ -200,7 +212,7 @@ def test_ttt_loss_without_any_loss_position_is_zero(setup):
     target, head, ids, out = setup
     valid = torch.zeros_like(ids, dtype=torch.bool)
     valid[:, 0] = True  # index 0 is never predicted
-    loss, m = eagle3_ttt_loss(head, ids, valid, out.features, out.logits, LossConfig(ttt_steps=3))
+    loss, m = drafter_loss(head, ids, valid, out.features, out.logits, LossConfig(ttt_steps=3))
     head.zero_grad()
     loss.backward()
     assert loss.item() == 0 and all(m[f"count/step{i}"].item() == 0 for i in range(3))
@@ -212,7 +224,6 @@ def test_teacher_rows_through_the_targets_own_head_equal_full_logits(head_type):
     """The trainer's teacher (the target's logits of chosen hidden rows, `Target.logits`) gives the loss, metrics
     and gradients of the full [B, T, V] logits, and is asked only for rows that carry loss."""
     target = tiny_target("llama")
-    eagle3 = head_type == "eagle3"
     head, ids, out, states = _head_and_states(target, head_type, 12)
     valid = torch.zeros_like(ids, dtype=torch.bool)
     valid[0, 2:6] = valid[1, 7:] = True
@@ -222,7 +233,7 @@ def test_teacher_rows_through_the_targets_own_head_equal_full_logits(head_type):
         asked.append(rows.clone())
         return target.logits(out.hidden.flatten(0, 1).index_select(0, rows))
 
-    fn = eagle3_ttt_loss if eagle3 else eagle1_loss
+    fn = drafter_loss
     results = []
     for given in (out.logits, teacher):
         head.zero_grad()
@@ -253,7 +264,7 @@ def test_the_loss_module_embeds_a_batch_once_and_equals_the_loss():
     hook = target.embed_tokens.register_forward_hook(lambda *_: calls.append(1))
     results = []
     for fn in (lambda: DistillationLoss(head, config)(ids, valid, out.features, out.logits),
-               lambda: eagle3_ttt_loss(head, ids, valid, out.features, out.logits, config)):
+               lambda: drafter_loss(head, ids, valid, out.features, out.logits, config)):
         head.zero_grad()
         calls.clear()
         loss, _ = fn()
@@ -262,5 +273,7 @@ def test_the_loss_module_embeds_a_batch_once_and_equals_the_loss():
     hook.remove()
     (loss, grads, embedded), (ref_loss, ref_grads, ref_embedded) = results
     assert embedded == 1 and ref_embedded == 4  # once per batch vs once per TTT step
-    assert torch.allclose(loss, ref_loss) and all(torch.equal(grads[k], ref_grads[k]) for k in grads)
+    assert torch.allclose(loss, ref_loss)
+    for k in grads:  # fp32 along two paths (one lookup's slices, or a lookup per step): equal up to rounding
+        torch.testing.assert_close(grads[k], ref_grads[k])
     assert head.shared["embed_tokens"] is target.embed_tokens  # given back
