@@ -127,9 +127,10 @@ class TTTPlan:
     at which step depends only on `valid`, so the unroll launches device work without waiting on it."""
 
     def __init__(self, valid: torch.Tensor, steps: int, shares: Callable[[int], float] | None = None,
-                 generator: torch.Generator | None = None) -> None:
-        """shares: None runs every row that still leads to a loss (EAGLE-3); else step i >= 1 runs a random share
-        shares(i) (of the loss rows of step 0) of the rows of step i - 1 that carry loss at step i (P-EAGLE)."""
+                 generators: list[torch.Generator | None] | None = None) -> None:
+        """shares: None runs every row that still leads to a loss (EAGLE-3); else step i >= 1 runs, in each sequence,
+        a random share shares(i) (of that sequence's loss rows at step 0) of its rows of step i - 1 that carry loss
+        at step i (P-EAGLE), drawn with that sequence's generator (generators[b]; None: the global one)."""
         b, t = valid.shape
         n = t - 1
         self.steps = steps
@@ -151,8 +152,7 @@ class TTTPlan:
         for i in range(steps):
             keep = needed[i].flatten()[rows].nonzero().squeeze(1)  # [P_i] which of step i-1's rows go on
             if shares is not None and i > 0:
-                size = min(len(keep), round(shares(i) * len(self.rows[0])))
-                keep = keep[torch.randperm(len(keep), generator=generator)[:size].sort().values]
+                keep = self._draw(keep, b_of[rows[keep]], b_of[self.rows[0]], shares(i), generators)
             rows = rows if i == 0 else rows[keep]
             at, bat = t_of[rows], b_of[rows]
             self.rows.append(rows)
@@ -163,6 +163,19 @@ class TTTPlan:
             sel = carries[i].flatten()[rows].nonzero().squeeze(1)  # [P'_i] rows with loss at this step
             self.selected.append(sel)
             self.teacher.append(flat[bat[sel], at[sel] + 1 + i])
+
+    @staticmethod
+    def _draw(keep: torch.Tensor, batch: torch.Tensor, first: torch.Tensor, share: float,
+              generators: list[torch.Generator | None] | None) -> torch.Tensor:
+        """Of the candidates keep [C] (in sequences batch [C]), each sequence's random share of its step-0 loss rows
+        (first [P_0]: their sequences), in order."""
+        chosen = []
+        for b in batch.unique().tolist():
+            mine = keep[batch == b]
+            size = min(len(mine), round(share * int((first == b).sum())))
+            gen = generators[b] if generators is not None else None
+            chosen.append(mine[torch.randperm(len(mine), generator=gen)[:size]])
+        return torch.cat(chosen).sort().values if chosen else keep
 
 
 # Inputs of step i >= 1 at its rows: (step, sequence index t [P], batch element [P], the previous step's states at

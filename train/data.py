@@ -66,13 +66,24 @@ class Subset:
     def layer_ids(self) -> list[int]:
         return self.examples.layer_ids
 
-    def check_reads(self, reads: tuple[int, ...], num_layers: int, folder: str) -> None:
-        """Raise ConfigError unless the cache holds the states a head reading `reads` needs: the final hidden state
-        (id num_layers), which every cache holds, or exactly its fused layers."""
-        if tuple(reads) != (num_layers,) and list(reads) != list(self.layer_ids):
-            raise ConfigError(f"the hidden-state cache {folder} holds layers {self.layer_ids} (and the final hidden "
-                              f"state), the head reads {list(reads)}: set head.fused_layer_ids to match, or rebuild "
-                              "the cache with those --layers")
+    def reader(self, reads: tuple[int, ...], num_layers: int, folder: str) -> Callable[[dict], torch.Tensor]:
+        """A function from a cached batch to the states a head reading `reads` needs, [B, T, len(reads) * H]: the
+        final hidden state (id num_layers), which every cache holds, and any of the fused layers it holds (one cache
+        serves heads that read different layers of it). Raises ConfigError naming a layer it does not hold."""
+        held = list(self.layer_ids)
+        missing = [i for i in reads if i != num_layers and i not in held]
+        if missing:
+            raise ConfigError(f"the hidden-state cache {folder} holds layers {held} (and the final hidden state), the "
+                              f"head reads {list(reads)}: set head.fused_layer_ids to layers it holds, or rebuild the "
+                              "cache with those --layers")
+
+        def states(batch: dict) -> torch.Tensor:
+            h = batch["hidden"].shape[-1]
+            parts = [batch["hidden"] if i == num_layers else batch["features"].narrow(-1, held.index(i) * h, h)
+                     for i in reads]
+            return parts[0] if len(parts) == 1 else torch.cat(parts, -1)
+
+        return states
 
     def fingerprint(self) -> str:
         return self.examples.fingerprint(self.index)

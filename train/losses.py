@@ -109,12 +109,19 @@ def _teacher(probs: torch.Tensor, rows: torch.Tensor | None, block: slice) -> to
 
 
 def drafter_loss(head: DraftHead, input_ids: torch.Tensor, valid: torch.Tensor, states: torch.Tensor,
-                 target_logits: Teacher, config: LossConfig) -> tuple[torch.Tensor, Metrics]:
+                 target_logits: Teacher, config: LossConfig, seeds: list[int] | None = None
+                 ) -> tuple[torch.Tensor, Metrics]:
     """The head's algorithm's training unroll, then the distillation loss of its predictions. input_ids, valid
-    [B, T] (valid: the token carries loss); states [B, T, F]: the target states the head reads."""
+    [B, T] (valid: the token carries loss); states [B, T, F]: the target states the head reads; seeds: one per row
+    for the unroll's random choices (None: the global generator)."""
     algorithm = head.algorithm
-    pred = algorithm.unroll(head, input_ids, valid, states, config)
-    return distill(head, pred, target_logits, config, algorithm.depth_weights(config, len(pred.sizes)))
+    pred = algorithm.unroll(head, input_ids, valid, states, config, generators(seeds))
+    return distill(head, pred, target_logits, config, algorithm.depth_weights(head, config, pred.sizes))
+
+
+def generators(seeds: list[int] | None) -> list[torch.Generator | None] | None:
+    """One CPU generator per row (the unrolls draw on the host), or None."""
+    return None if seeds is None else [torch.Generator().manual_seed(s) for s in seeds]
 
 
 def distill(head: DraftHead, pred: Predictions, target_logits: Teacher, config: LossConfig,
@@ -133,14 +140,16 @@ def distill(head: DraftHead, pred: Predictions, target_logits: Teacher, config: 
     teacher = to_device(inverse, dev)
     logits = head.project(pred.hidden)  # [P, Dv]
     hit = (head.to_target_ids(logits.argmax(-1)) == target_top[teacher]).split(pred.sizes)
-    ce = _cross_entropy(logits, probs, teacher, consume=True).split(pred.sizes)  # logits are not read after this
+    ce = _cross_entropy(logits, probs, teacher, consume=True)  # logits are not read after this
+    weighted = head.algorithm.row_weights(head, pred, ce.detach())
+    ce = (ce if weighted is None else ce * weighted).split(pred.sizes)
     oov = (~head.can_propose(target_top)[teacher]).split(pred.sizes)
     counts = to_device(torch.tensor(pred.sizes, dtype=torch.float32), dev)
     loss = counts.new_zeros(())
     metrics: Metrics = {}
     for i, weight in enumerate(weights):
         count = counts[i]
-        depth_loss = ce[i].sum() / count.clamp(min=1)
+        depth_loss = ce[i].sum() / (count.clamp(min=1) if pred.per_depth is None else max(pred.per_depth[i], 1.0))
         loss = loss + weight * depth_loss
         metrics[f"loss/step{i}"] = depth_loss.detach() * count
         metrics[f"correct/step{i}"] = hit[i].sum().float()
@@ -203,21 +212,21 @@ class DistillationLoss(nn.Module):
         self.config = config
 
     def forward(self, input_ids: torch.Tensor, valid: torch.Tensor, target_states: torch.Tensor,
-                target_logits: Teacher) -> tuple[torch.Tensor, Metrics]:
+                target_logits: Teacher, seeds: list[int] | None = None) -> tuple[torch.Tensor, Metrics]:
         """input_ids, valid [B, T]; target_states [B, T, F]: the target states the head reads (head.reads),
-        concatenated; target_logits: the teacher (Teacher)."""
+        concatenated; target_logits: the teacher (Teacher); seeds: one per row for the unroll's random choices."""
         with batch_embedding(self.head, input_ids):
-            return drafter_loss(self.head, input_ids, valid, target_states, target_logits, self.config)
+            return drafter_loss(self.head, input_ids, valid, target_states, target_logits, self.config, seeds)
 
 
 class _BatchEmbedding(nn.Module):
-    """The target's embedding rows of one batch's distinct ids, looked up once: every TTT step reads its tokens
-    (all of them ids of the batch, by teacher forcing) from these rows, so a sharded embedding is gathered once per
-    micro-batch, not once per step."""
+    """The target's embedding rows of one batch's distinct ids and the head's own tokens (a mask token), looked up
+    once: every unroll step reads its tokens from these rows (the batch's, by teacher forcing, or the mask), so a
+    sharded embedding is gathered once per micro-batch, not once per step."""
 
-    def __init__(self, embedding: nn.Module, input_ids: torch.Tensor) -> None:
+    def __init__(self, embedding: nn.Module, input_ids: torch.Tensor, own: tuple[int, ...] = ()) -> None:
         super().__init__()
-        self.ids = torch.unique(input_ids)  # [U] ascending
+        self.ids = torch.unique(torch.cat([input_ids.flatten(), input_ids.new_tensor(own)]))  # [U] ascending
         with torch.no_grad():
             self.rows = embedding(self.ids)  # [U, H]
 
@@ -229,7 +238,7 @@ class _BatchEmbedding(nn.Module):
 def batch_embedding(head: DraftHead, input_ids: torch.Tensor):
     """The head borrows the batch's embedding rows (see _BatchEmbedding) instead of the target's embedding."""
     embedding = head.shared["embed_tokens"]
-    head.shared["embed_tokens"] = _BatchEmbedding(embedding, input_ids)
+    head.shared["embed_tokens"] = _BatchEmbedding(embedding, input_ids, head.own_tokens)
     try:
         yield
     finally:

@@ -4,6 +4,8 @@ the tests hold the fast losses to these in value, metrics and gradients."""
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 
@@ -51,13 +53,19 @@ def eagle3_loss(head: DraftHead, input_ids: torch.Tensor, valid: torch.Tensor, f
     hidden = feature_noise(head.fuse(features[:, : t - 1]), config.feature_noise)
     loss, metrics = 0.0, {}
     chain = torch.ones_like(valid[:, 1:])
+    # P-EAGLE: each depth's mean weighted by its share of the rows (depth i: max(r^i, r_min)), normalised
+    total = sum(max(head.options.depth_keep ** i, head.options.depth_keep_min) if i else 1.0
+                for i in range(min(steps, t - 1))) if masked else 1
     for i, out in enumerate(unroll(head, input_ids, hidden, steps, masked)):
         logits = out.logits[:, : t - 1 - i]
         chain = chain[:, : t - 1 - i] & valid[:, 1 + i:]
         keep = (chain if masked else valid[:, 1 + i:]).float()
         count = keep.sum()
-        step_loss = (soft_ce(logits, restricted[:, 1 + i:]) * keep).sum() / count.clamp(min=1)
-        loss = loss + (1.0 if masked else config.step_decay ** i) * step_loss
+        share = max(head.options.depth_keep ** i, head.options.depth_keep_min) if masked and i else 1.0
+        first = count if i == 0 else first  # P-EAGLE: depth i's sum over the rows it is drawn to have, share x first
+        divisor = first * share if masked else count
+        step_loss = (soft_ce(logits, restricted[:, 1 + i:]) * keep).sum() / divisor.clamp(min=1)
+        loss = loss + (share / total if masked else config.step_decay ** i) * step_loss
         hit = head.to_target_ids(logits.argmax(-1)) == target_top[:, 1 + i:]
         metrics.update({f"loss/step{i}": step_loss.detach() * count, f"correct/step{i}": (hit.float() * keep).sum(),
                         f"count/step{i}": count, f"oov/step{i}": ((~in_vocab[:, 1 + i:]).float() * keep).sum()})
@@ -79,3 +87,40 @@ def eagle1_loss(head: DraftHead, input_ids: torch.Tensor, valid: torch.Tensor, t
     loss = config.feature_weight * feature_loss + config.ce_weight * ce_loss
     return loss, {"loss/feature": feature_loss.detach() * count, "loss/step0": ce_loss.detach() * count,
                   "correct/step0": correct, "count/step0": count, "oov/step0": torch.zeros_like(count)}
+
+
+def dflash_loss(head: DraftHead, input_ids: torch.Tensor, valid: torch.Tensor, features: torch.Tensor,
+                target_logits: torch.Tensor, config: LossConfig) -> tuple[torch.Tensor, Metrics]:
+    """A DFlash head's loss (losses.drafter_loss) with a block at every anchor a (a >= 1 whose next token carries
+    loss), each block run alone over the context states before a: position k learns the target's distribution at
+    a + k - 1 where token a + k carries loss, weighted exp(-(k-1)/gamma) (the exp weighting)."""
+    from eyas.models.drafters.dflash import _gamma
+
+    b, t = input_ids.shape
+    size = head.options.block_size
+    gamma = head.options.gamma or _gamma(size)
+    per_depth: list[list[torch.Tensor]] = [[] for _ in range(size - 1)]
+    hits: list[list[torch.Tensor]] = [[] for _ in range(size - 1)]
+    for row in range(b):
+        for a in range(1, t - 1):
+            if not valid[row, a + 1]:
+                continue
+            block = head.block(input_ids[row, a:a + 1], size)
+            pos = a + torch.arange(size)[None]
+            allowed = torch.ones(1, size, a + size, dtype=torch.bool)
+            hidden = head(block, head.context(features[row:row + 1, :a]), pos, torch.arange(a)[None], allowed)
+            logits = head.project(hidden)[0]
+            for k in range(1, size):
+                if a + k < t and valid[row, a + k]:
+                    teacher = target_logits[row, a + k - 1]
+                    per_depth[k - 1].append(soft_ce(logits[k:k + 1], teacher[None])[0] * math.exp(-(k - 1) / gamma))
+                    hits[k - 1].append((logits[k].argmax() == teacher.argmax()).float())
+    loss, metrics = 0.0, {}
+    for i, (ces, hit) in enumerate(zip(per_depth, hits)):  # the block positions alike
+        count = torch.tensor(float(len(ces)))
+        depth_loss = torch.stack(ces).sum() / count.clamp(min=1) if ces else torch.zeros(())
+        loss = loss + depth_loss / (size - 1)
+        metrics.update({f"loss/step{i}": depth_loss.detach() * count, f"count/step{i}": count,
+                        f"correct/step{i}": torch.stack(hit).sum() if hit else torch.zeros(()),
+                        f"oov/step{i}": torch.zeros(())})
+    return loss, metrics

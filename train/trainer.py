@@ -24,6 +24,7 @@ import logging
 import math
 import resource
 import time
+import zlib
 from pathlib import Path
 from typing import Any
 
@@ -111,7 +112,7 @@ class Trainer:
         head = DraftHead(head_config, self.target).to(acc.device)
         self.reads = head.reads(self.target.num_layers)  # the target states the head trains on
         if c.data.hidden_states == "offline":
-            self.train_set.check_reads(self.reads, self.target.num_layers, c.data.cache_dir)
+            self.cached_states = self.train_set.reader(self.reads, self.target.num_layers, c.data.cache_dir)
         if head_config.draft_vocab_size < head_config.vocab_size:
             head.set_vocab_map(draft_vocab(c, self.target, self.train_set, head_config.draft_vocab_size, acc, self.log))
         return head
@@ -175,10 +176,15 @@ class Trainer:
             f.write(b"".join(line + b"\n" for line in lines))
 
     # ---- one micro-batch -------------------------------------------------------------------------
-    def _batch(self, rows: dict[str, torch.Tensor] | list[dict[str, Any]]) -> dict[str, torch.Tensor]:
-        """A collated batch (or rows to collate) on the run's device; pinned host tensors copy asynchronously."""
+    def _batch(self, rows: dict[str, torch.Tensor] | list[dict[str, Any]]) -> dict[str, Any]:
+        """A collated batch (or rows to collate) on the run's device; pinned host tensors copy asynchronously. With
+        `seeds`: a seed per row for the head's own random choices in its unroll (P-EAGLE's rows, DFlash's anchors),
+        from the run's seed, the step and the row's tokens, so a row draws the same at any world size and after a
+        resume."""
         batch = rows if isinstance(rows, dict) else collate(rows, self.pad_id)
-        return {k: v.to(self.accelerator.device, non_blocking=True) for k, v in batch.items()}
+        seeds = [row_seed(self.config.seed, self.step, ids[real])  # the row's own tokens: padding depends on the batch
+                 for ids, real in zip(batch["input_ids"], batch["attention_mask"])]
+        return {**{k: v.to(self.accelerator.device, non_blocking=True) for k, v in batch.items()}, "seeds": seeds}
 
     def _target_states(self, batch: dict[str, torch.Tensor]):
         """-> (states [B, T, F], teacher): the states the head reads, from the frozen target or the offline cache (the
@@ -188,7 +194,7 @@ class Trainer:
         with torch.no_grad():
             if "hidden" in batch:  # offline cache (what it holds checked at setup)
                 hidden = batch["hidden"]
-                states = hidden if self.reads == (self.target.num_layers,) else batch["features"]
+                states = self.cached_states(batch)
             else:
                 out = self.target(batch["input_ids"], padding_mask=batch["attention_mask"], layer_ids=self.reads,
                                   logits=False)
@@ -198,7 +204,7 @@ class Trainer:
     def _forward(self, batch: dict[str, torch.Tensor]):
         states, teacher = self._target_states(batch)
         valid = batch["attention_mask"] & batch["loss_mask"]
-        return self.model(batch["input_ids"], valid, states, teacher)
+        return self.model(batch["input_ids"], valid, states, teacher, batch["seeds"])
 
     def _sync(self, window: dict[str, torch.Tensor], losses: list[torch.Tensor],
               tokens: int) -> tuple[dict[str, float], list[float], float, bool]:
@@ -387,6 +393,11 @@ class Trainer:
 
     def cleanup(self) -> None:
         self.accelerator.end_training()
+
+
+def row_seed(run_seed: int, step: int, input_ids: torch.Tensor) -> int:
+    """A seed from the run's seed, the step and a host row of token ids."""
+    return zlib.crc32(input_ids.numpy().tobytes(), zlib.crc32(f"{run_seed}:{step}".encode()))
 
 
 def _newest(output_dir: Path) -> str:

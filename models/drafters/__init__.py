@@ -17,7 +17,7 @@ from ..errors import InputError
 if TYPE_CHECKING:
     from .base import Algorithm
 
-NAMES: tuple[str, ...] = ("eagle1", "eagle3", "peagle")
+NAMES: tuple[str, ...] = ("eagle1", "eagle3", "peagle", "dflash")
 _LOADED: dict[str, "Algorithm"] = {}
 
 

@@ -39,12 +39,17 @@ class Predictions:
     hidden [P, H]: the head's states at the rows that carry loss, depth by depth (depth i = draft position i + 1);
     teacher [P] (host, long): the flat row b * T + t of the batch whose target distribution each row learns;
     sizes: rows per depth (they sum to P). regression: (head states, target states) [R, H] each, for a
-    feature-regression term (EAGLE-1), else None."""
+    feature-regression term (EAGLE-1), else None. blocks [P] (host, long): the block each row drafts in, where
+    the algorithm weighs a row by the others of its block (DFlash's D-PACE), else None. per_depth: what each
+    depth's sum is divided by, where it is not its own row count (a sampled depth: the count it is drawn to have,
+    so the loss does not depend on which sequences share a micro-batch), else None."""
 
     hidden: torch.Tensor
     teacher: torch.Tensor
     sizes: list[int]
     regression: tuple[torch.Tensor, torch.Tensor] | None = None
+    blocks: torch.Tensor | None = None
+    per_depth: list[float] | None = None
 
 
 class Algorithm:
@@ -91,14 +96,23 @@ class Algorithm:
         return config.fused_layer_ids
 
     def unroll(self, head: "DraftHead", input_ids: torch.Tensor, valid: torch.Tensor, states: torch.Tensor,
-               settings: Any) -> Predictions:
+               settings: Any, generators: list[torch.Generator | None] | None = None) -> Predictions:
         """The training forward: input_ids, valid [B, T] (valid: the token carries loss), states [B, T, F] (what
-        `reads` names, concatenated), settings: the run's loss settings (train.config.LossConfig)."""
+        `reads` names, concatenated), settings: the run's loss settings (train.config.LossConfig); generators: one
+        per row (CPU) for the unroll's random choices, so a row draws the same whatever else the batch holds (None:
+        the global generator)."""
         raise NotImplementedError
 
-    def depth_weights(self, settings: Any, depths: int) -> list[float]:
-        """The loss weight of each depth (draft position) of `unroll`'s predictions."""
-        return [settings.step_decay ** i for i in range(depths)]
+    def depth_weights(self, head: "DraftHead", settings: Any, sizes: list[int]) -> list[float]:
+        """The loss weight of each depth (draft position) of `unroll`'s predictions (sizes: rows per depth); the
+        loss is the weighted sum of each depth's mean. Constants, not row counts: a micro-batch's loss must not
+        depend on which sequences it holds beside each other (several processes then train as one)."""
+        return [settings.step_decay ** i for i in range(len(sizes))]
+
+    def row_weights(self, head: "DraftHead", pred: Predictions, ce: torch.Tensor) -> torch.Tensor | None:
+        """A weight per prediction row [P] given each row's cross-entropy ce [P] (no gradient flows through it), or
+        None: the depth weights alone."""
+        return None
 
     def training_activations(self, config: HeadConfig, seq_len: int, loss_fraction: float, settings: Any,
                              itemsize: int, batch: int) -> tuple[dict[str, float], int]:
@@ -152,6 +166,11 @@ class DraftHead(nn.Module):
     def reads(self, num_target_layers: int) -> tuple[int, ...]:
         """The target states this head reads (HF hidden_states ids)."""
         return self.algorithm.reads(self.config, num_target_layers)
+
+    @property
+    def own_tokens(self) -> tuple[int, ...]:
+        """Token ids the head reads beyond the text it is given (a mask token)."""
+        return ()
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.shared["embed_tokens"] is None:
@@ -217,9 +236,14 @@ class DraftHead(nn.Module):
 
     def cache_mask(self, allowed: torch.Tensor, position_ids: torch.Tensor, cache: KVCache) -> torch.Tensor:
         """The additive mask over the cache: `allowed`, narrowed to the head's own window if it has one."""
-        kind = ("sliding", self.config.sliding_window) if self.config.sliding_window else ("full", None)
         key_pos = cache.key_positions(allowed.shape[2])  # the block's own entries are recorded already
-        return additive(windowed(allowed, kind, position_ids, key_pos), self.fc.weight.dtype)
+        return self.window_mask(allowed, position_ids, key_pos)
+
+    def window_mask(self, allowed: torch.Tensor, query_pos: torch.Tensor, key_pos: torch.Tensor) -> torch.Tensor:
+        """`allowed` [B, T, S] narrowed to the head's own window if it has one, as an additive mask; query_pos [B, T]
+        and key_pos [B, S] the positions of its rows and columns."""
+        kind = ("sliding", self.config.sliding_window) if self.config.sliding_window else ("full", None)
+        return additive(windowed(allowed, kind, query_pos, key_pos), self.fc.weight.dtype)
 
 
 class DraftVocab:

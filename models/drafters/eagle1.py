@@ -69,7 +69,7 @@ class Eagle1(Algorithm):
         return (num_target_layers,)  # the decoder's normed output
 
     def unroll(self, head: Eagle1Head, input_ids: torch.Tensor, valid: torch.Tensor, states: torch.Tensor,
-               settings: Any) -> Predictions:
+               settings: Any, generators: list[torch.Generator | None] | None = None) -> Predictions:
         """One step at every index t: token t+1 and the target's state at t; its state is held to the target's at
         t+1 and its logits to the target's distribution there."""
         b, t = input_ids.shape
@@ -83,7 +83,7 @@ class Eagle1(Algorithm):
         wanted = states[:, 1:].flatten(0, 1).index_select(0, at)
         return Predictions(picked, keep + keep // n + 1, [len(keep)], regression=(picked, wanted))
 
-    def depth_weights(self, settings: Any, depths: int) -> list[float]:
+    def depth_weights(self, head: Eagle1Head, settings: Any, sizes: list[int]) -> list[float]:
         return [settings.ce_weight]
 
     def training_activations(self, config: HeadConfig, seq_len: int, loss_fraction: float, settings: Any,

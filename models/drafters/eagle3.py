@@ -106,7 +106,7 @@ class Eagle3(Algorithm):
         return default_fused_layer_ids(num_target_layers)
 
     def unroll(self, head: Eagle3Head, input_ids: torch.Tensor, valid: torch.Tensor, states: torch.Tensor,
-               settings: Any) -> Predictions:
+               settings: Any, generators: list[torch.Generator | None] | None = None) -> Predictions:
         """Training-time test: K = settings.ttt_steps steps; step i at index t reads token t+1+i (teacher forcing)
         and the head's own state of step i-1 at t, and learns the target's distribution at t+1+i."""
         b, t = input_ids.shape

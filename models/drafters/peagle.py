@@ -48,6 +48,10 @@ class PEagleHead(Eagle3Head):
         self.mask_hidden = nn.Parameter(torch.randn(config.feature_size))
 
     @property
+    def own_tokens(self) -> tuple[int, ...]:
+        return (self.options.mask_token_id,)
+
+    @property
     def draft_positions(self) -> int:
         """The positions it was trained to propose from one forward."""
         return self.options.depths
@@ -114,14 +118,14 @@ class PEagle(Eagle3):
                              f"{o.depth_keep_min}")
 
     def unroll(self, head: PEagleHead, input_ids: torch.Tensor, valid: torch.Tensor, states: torch.Tensor,
-               settings: Any) -> Predictions:
+               settings: Any, generators: list[torch.Generator | None] | None = None) -> Predictions:
         """Depth 0 at every index t: token t+1 and the target's state at t (as EAGLE-3's step 0). Depth d at a
         sampled share of the anchors t: the mask token and state at position t + d, seeing the context up to t and
         its own rollout's depths 1..d; it learns the target's distribution at t+1+d."""
         b, t = input_ids.shape
         steps = min(head.options.depths, t - 1)
         hidden = feature_noise(head.fuse(states[:, :t - 1]), settings.feature_noise)  # drawn before the rows are
-        plan = TTTPlan(valid.cpu(), steps, shares=lambda d: _share(head.options, d))
+        plan = TTTPlan(valid.cpu(), steps, shares=lambda d: _share(head.options, d), generators=generators)
         hidden = hidden[:, :plan.n]
 
         def later(d: int, at: torch.Tensor, bat: torch.Tensor, previous: torch.Tensor):
@@ -130,10 +134,16 @@ class PEagle(Eagle3):
 
         picked = unroll(head, input_ids, hidden, plan, later, window_mask(head.config.sliding_window, b, plan.n,
                                                                            input_ids.device))
-        return Predictions(torch.cat(picked), torch.cat(plan.teacher), [len(r) for r in plan.teacher])
+        sizes = [len(r) for r in plan.teacher]
+        # a depth's mean over the rows it is drawn to have, share x depth 0's: not over how many it got
+        return Predictions(torch.cat(picked), torch.cat(plan.teacher), sizes,
+                           per_depth=[sizes[0]] + [sizes[0] * _share(head.options, d) for d in range(1, len(sizes))])
 
-    def depth_weights(self, settings: Any, depths: int) -> list[float]:
-        return [1.0] * depths  # every depth distils its own position (the reference weighs them alike)
+    def depth_weights(self, head: PEagleHead, settings: Any, sizes: list[int]) -> list[float]:
+        """Each depth's mean weighted by its share of the rows (1, r, r^2, ...): in expectation the reference's mean
+        over every row, as a constant."""
+        shares = [1.0] + [_share(head.options, d) for d in range(1, len(sizes))]
+        return [s / sum(shares) for s in shares]
 
     def training_activations(self, config: HeadConfig, seq_len: int, loss_fraction: float, settings: Any,
                              itemsize: int, batch: int) -> tuple[dict[str, float], int]:

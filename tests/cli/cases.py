@@ -435,7 +435,7 @@ CASES: list[Case] = [
     Case("train-override-bad-number", (*TRAIN, "optim.lr=fast"), r"optim\.lr must be a number.*'fast'"),
     Case("train-override-list-section", (*TRAIN, "head.fused_layer_ids.0=1"), r"head\.fused_layer_ids must be a list"),
     Case("train-head-type-unknown", (*TRAIN, "head.type=eagle9"),
-         r"head\.type 'eagle9' is not one of eagle1, eagle3, peagle"),
+         r"head\.type 'eagle9' is not one of eagle1, eagle3, peagle, dflash"),
     Case("train-batch-size-0", (*TRAIN, "batch.size=0"), r"batch\.size.*must be >= 1"),
     Case("train-total-steps-negative", (*TRAIN, "schedule.total_steps=-1"), r"schedule\.total_steps must be >= 1"),
     Case("train-output-below-a-file", swap(TRAIN, "output_dir={t}/run", "output_dir={t}/taken/run"),

@@ -205,3 +205,33 @@ def test_a_parallel_drafter_proposes_through_its_cache_what_one_masked_block_com
         allowed[:, n:, n:] = torch.ones(k - 1, k - 1, dtype=torch.bool).tril()
         want = head(block_ids, state, positions, allowed).logits[0, n - 1:]
         torch.testing.assert_close(got[b], want, rtol=1e-5, atol=1e-5)
+
+
+def test_a_block_drafter_proposes_through_its_cache_what_one_block_over_the_whole_context_computes():
+    """DFlash: the context's states joined in two cycles through the head's cache (rows of different lengths), then
+    the block [root, k masks] gives the logits of one block run alone over the whole context; only the context's
+    real entries stay in the cache."""
+    target = tiny_target("qwen3", num_layers=6)
+    torch.manual_seed(4)
+    head = DraftHead(head_config_for(target, "dflash", num_layers=2, options={"block_size": 5}), target)
+    with torch.no_grad():
+        for p in head.parameters():
+            p.add_(torch.randn_like(p) * 0.1)
+    k, lengths, first = 4, [9, 6], [5, 3]
+    ids = torch.randint(4, 300, (2, 10), generator=torch.Generator().manual_seed(1))
+    features = target(ids, layer_ids=head.reads(target.num_layers)).features
+    pos = torch.arange(10).expand(2, -1)
+    cache = head.new_cache(2, 32)
+    head.propose(ids[:, :5], features[:, :5], pos[:, :5], first, cache, k)
+    rest = [n - f for n, f in zip(lengths, first)]
+    take = torch.stack([torch.cat([torch.arange(f, n), torch.full((max(rest) - (n - f),), n - 1)])
+                        for f, n in zip(first, lengths)])
+    got = head.propose(ids.gather(1, take), features.gather(1, take[..., None].expand(-1, -1, features.shape[-1])),
+                       pos.gather(1, take), rest, cache, k)
+    assert cache.host_lengths == lengths and got.shape == (2, k, target.vocab_size)
+    for b, n in enumerate(lengths):  # the root is the token at n - 1's state's next position: ids[b, n - 1] shifted
+        block = head.block(ids[b, n - 1:n], k + 1)
+        allowed = torch.ones(1, k + 1, n + k + 1, dtype=torch.bool)
+        hidden = head(block, head.context(features[b:b + 1, :n]), n + torch.arange(k + 1)[None], pos[b:b + 1, :n],
+                      allowed)
+        torch.testing.assert_close(got[b], head.project(hidden)[0, 1:], rtol=1e-5, atol=1e-5)

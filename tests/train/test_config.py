@@ -51,7 +51,7 @@ def test_mistyped_values_name_the_key(override, expected):
 def test_each_head_type_takes_only_its_own_keys():
     with pytest.raises(ConfigError, match="draft_vocab_size is for heads with an lm_head of their own"):
         load_config(None, ["head.type=eagle1", "head.draft_vocab_size=100"])
-    with pytest.raises(ConfigError, match="head.type 'eagle4' is not one of eagle1, eagle3, peagle"):
+    with pytest.raises(ConfigError, match="head.type 'eagle4' is not one of eagle1, eagle3, peagle, dflash"):
         load_config(None, ["head.type=eagle4"])
     with pytest.raises(ConfigError, match="did you mean 'norm_output'"):
         load_config(None, ["head.options.norm_outptu=true"])

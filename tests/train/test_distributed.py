@@ -65,7 +65,8 @@ def _metrics(folder):
     return [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
 
 
-@pytest.mark.parametrize("kind, head_type", [("ddp", "eagle3"), ("deepspeed_zero2", "eagle1")])
+@pytest.mark.parametrize("kind, head_type", [("ddp", "eagle3"), ("ddp", "peagle"), ("ddp", "dflash"),
+                                             ("deepspeed_zero2", "eagle1")])
 def test_two_processes_match_one_process_with_the_same_global_batch(tmp_path, kind, head_type):
     dist_type = LAUNCHES[kind][2]
     two = tiny_run_config(tmp_path / "two", f"head.type={head_type}", "batch.size=2", "schedule.total_steps=4",

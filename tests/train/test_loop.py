@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from eyas.models import load_head
+from eyas.models.drafters import NAMES
 from eyas.train import checkpoint
 from eyas.train.losses import DistillationLoss
 from eyas.train.trainer import NonFiniteLoss, Trainer, run
@@ -29,12 +30,12 @@ def losses(run_dir):
     return [by_step[s] for s in sorted(by_step)]
 
 
-@pytest.mark.parametrize("head_type", ["eagle3", "eagle1"])
+@pytest.mark.parametrize("head_type", NAMES)
 def test_one_process_training_reduces_loss(tmp_path, head_type):
     out = tmp_path / "run"
-    result = run(tiny_run_config(out, f"head.type={head_type}", "schedule.total_steps=6", "logging.eval_every=6"))
+    result = run(tiny_run_config(out, f"head.type={head_type}", "schedule.total_steps=12", "logging.eval_every=12"))
     curve = losses(out)
-    assert len(curve) == 6
+    assert len(curve) == 12
     assert sum(curve[-3:]) / 3 < curve[0]
     rows = map(json.loads, (out / "metrics.jsonl").read_text().splitlines())
     evals = [r["eval/tau"] for r in rows if "eval/tau" in r]
@@ -43,7 +44,7 @@ def test_one_process_training_reduces_loss(tmp_path, head_type):
     assert head.config.head_type == head_type
     assert (out / "config.yaml").is_file()
     last = checkpoint.list_checkpoints(out)[-1]
-    assert last.name == "step-00000006" and (last / "head" / "config.json").is_file()
+    assert last.name == "step-00000012" and (last / "head" / "config.json").is_file()
 
 
 def _interrupt_at(monkeypatch, step_to_stop: int):
@@ -61,9 +62,11 @@ def _interrupt_at(monkeypatch, step_to_stop: int):
     return forward
 
 
-def test_interrupted_run_resumes_to_the_same_losses(tmp_path, monkeypatch):
+@pytest.mark.parametrize("head_type", NAMES)
+def test_interrupted_run_resumes_to_the_same_losses(tmp_path, monkeypatch, head_type):
+    """Every head type, its random choices included (feature noise, P-EAGLE's rows, DFlash's anchors)."""
     common = ["schedule.total_steps=7", "loss.feature_noise=0.2", "checkpoint.every=4", "schedule.kind=cosine",
-              "logging.eval_batches=0"]
+              "logging.eval_batches=0", f"head.type={head_type}"]
     run(tiny_run_config(tmp_path / "straight", *common))
 
     forward = _interrupt_at(monkeypatch, 3)

@@ -8,11 +8,13 @@ import pytest
 import torch
 
 from eyas.models import DraftHead, algorithm, head_config_for
+from eyas.models.drafters import NAMES
 from eyas.models.layers import attend
 from eyas.models.masks import additive, causal
 from eyas.models.ttt import TTTAttention
 from eyas.train.config import LossConfig
 from eyas.train.losses import acceptance, drafter_loss, soft_cross_entropy
+from eyas.train.losses_reference import dflash_loss as reference_dflash
 from eyas.train.losses_reference import eagle1_loss as reference_eagle1
 from eyas.train.losses_reference import eagle3_loss as reference_eagle3
 from eyas.train.losses_reference import soft_ce as reference_soft_ce
@@ -165,6 +167,8 @@ def _head_and_states(target, head_type: str, length: int, **head_kw):
 EAGLE31 = {"fc_norm": True, "norm_output": True}
 # P-EAGLE with every row of every depth kept (the reference evaluates every depth at every anchor)
 PEAGLE_ALL = {"depths": 4, "depth_keep": 1.0, "depth_keep_min": 1.0}
+# DFlash with a block at every anchor (the reference runs each anchor's block alone)
+DFLASH_ALL = {"block_size": 4, "anchors": 64}
 
 
 @pytest.mark.parametrize("head_type, arch, layers, window, options", [
@@ -173,6 +177,7 @@ PEAGLE_ALL = {"depths": 4, "depth_keep": 1.0, "depth_keep_min": 1.0}
     ("eagle3", "llama", 2, 2, {}),  # a head with its own sliding window, shorter than the TTT unroll
     ("eagle3", "llama", 2, None, EAGLE31), ("eagle3", "qwen2", 1, None, {"norm_before_fc": True}),
     ("peagle", "llama", 2, None, PEAGLE_ALL), ("peagle", "qwen2", 2, 2, {**PEAGLE_ALL, **EAGLE31}),
+    ("dflash", "llama", 2, None, DFLASH_ALL), ("dflash", "qwen3", 1, None, {**DFLASH_ALL, "block_size": 3}),
 ])
 def test_optimised_loss_and_gradients_equal_the_reference(head_type, arch, layers, window, options):
     """Loss, metrics and every gradient match the every-index reference, with prompt/assistant/padding
@@ -187,7 +192,7 @@ def test_optimised_loss_and_gradients_equal_the_reference(head_type, arch, layer
     valid[1, 5:9] = True  # then padding
     config = LossConfig(ttt_steps=4, feature_noise=0.1)
     reference = {"eagle3": reference_eagle3, "eagle1": reference_eagle1,
-                 "peagle": functools.partial(reference_eagle3, masked=True)}[head_type]
+                 "peagle": functools.partial(reference_eagle3, masked=True), "dflash": reference_dflash}[head_type]
     fast = drafter_loss
     results = []
     for fn in (fast, reference):
@@ -248,23 +253,26 @@ def test_teacher_rows_through_the_targets_own_head_equal_full_logits(head_type):
     assert set(rows.tolist()) == set(valid.flatten().nonzero().squeeze(1).tolist()) - {0, 12, 24}  # index 0: never
 
 
-def test_the_loss_module_embeds_a_batch_once_and_equals_the_loss():
-    """DistillationLoss gives the head the batch's embedding rows, looked up once (a sharded embedding is then
-    gathered once per micro-batch, not once per TTT step): same loss and gradients as the head's own lookups."""
+@pytest.mark.parametrize("head_type", NAMES)
+def test_the_loss_module_embeds_a_batch_once_and_equals_the_loss(head_type):
+    """DistillationLoss gives the head the batch's embedding rows and its own tokens' (a mask token, never in the
+    batch), looked up once (a sharded embedding is then gathered once per micro-batch, not once per unroll step):
+    same loss and gradients as the head's own lookups."""
     from eyas.train.losses import DistillationLoss
 
     target = tiny_target("llama")
-    torch.manual_seed(0)
-    head = DraftHead(head_config_for(target, "eagle3", draft_vocab_size=64), target)
-    ids = torch.randint(4, 300, (2, 12))
-    out = target(ids, layer_ids=head.config.fused_layer_ids)
+    head, ids, out, states = _head_and_states(target, head_type, 12)
+    ids = ids[:2] % 200 + 4  # none of them the mask token
+    out = target(ids, layer_ids=head.reads(target.num_layers))
+    assert not set(head.own_tokens) & set(ids.flatten().tolist())
     valid = torch.ones_like(ids, dtype=torch.bool)
     config = LossConfig(ttt_steps=4)
+    seeds = [0, 1]  # the same random choices on both paths
     calls = []
     hook = target.embed_tokens.register_forward_hook(lambda *_: calls.append(1))
     results = []
-    for fn in (lambda: DistillationLoss(head, config)(ids, valid, out.features, out.logits),
-               lambda: drafter_loss(head, ids, valid, out.features, out.logits, config)):
+    for fn in (lambda: DistillationLoss(head, config)(ids, valid, out.features, out.logits, seeds),
+               lambda: drafter_loss(head, ids, valid, out.features, out.logits, config, seeds)):
         head.zero_grad()
         calls.clear()
         loss, _ = fn()
@@ -272,7 +280,7 @@ def test_the_loss_module_embeds_a_batch_once_and_equals_the_loss():
         results.append((loss.detach(), _grads(head), len(calls)))
     hook.remove()
     (loss, grads, embedded), (ref_loss, ref_grads, ref_embedded) = results
-    assert embedded == 1 and ref_embedded == 4  # once per batch vs once per TTT step
+    assert embedded == 1 <= ref_embedded  # once per batch vs once per step
     assert torch.allclose(loss, ref_loss)
     for k in grads:  # fp32 along two paths (one lookup's slices, or a lookup per step): equal up to rounding
         torch.testing.assert_close(grads[k], ref_grads[k])
