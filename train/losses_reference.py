@@ -52,7 +52,7 @@ def eagle3_loss(head: DraftHead, input_ids: torch.Tensor, valid: torch.Tensor, f
     restricted = target_logits.gather(-1, head.draft_to_target.expand(b, t, -1))
     hidden = feature_noise(head.fuse(features[:, : t - 1]), config.feature_noise)
     loss, metrics = 0.0, {}
-    chain = torch.ones_like(valid[:, 1:])
+    chain, first = torch.ones_like(valid[:, 1:]), None
     # P-EAGLE: each depth's mean weighted by its share of the rows (depth i: max(r^i, r_min)), normalised
     total = sum(max(head.options.depth_keep ** i, head.options.depth_keep_min) if i else 1.0
                 for i in range(min(steps, t - 1))) if masked else 1
