@@ -160,6 +160,9 @@ def _cache_options(p: argparse.ArgumentParser, *dtype_flags: str) -> None:
     p.add_argument("--head-type", choices=list(HEAD_TYPES), default="eagle3",
                    help="the head it is for: the final hidden state is always stored, and the layers this type fuses "
                    "by default (eagle3, peagle: 2, N//2, N-3; eagle1: none)")
+    p.add_argument("--head-layers", type=positive, default=None, metavar="N",
+                   help="decoder layers of that head (default: the type's; DFlash fuses as many target layers as it "
+                   "has layers)")
     p.add_argument("--layers", type=layer_ids, default=None,
                    help="fused layer ids instead of the head type's default, e.g. 2,15,27")
     p.add_argument(*dtype_flags, dest="cache_dtype", choices=["bf16", "fp16"], default="bf16",
@@ -224,7 +227,7 @@ def _cache_layers(args: argparse.Namespace, target) -> tuple[int, ...]:
                              f"{target.num_layers} layers (0..{target.num_layers - 1})")
         return args.layers
     algo = algorithm(args.head_type)
-    return algo.default_layers(target.num_layers, algo.default_num_layers)
+    return algo.default_layers(target.num_layers, args.head_layers or algo.default_num_layers)
 
 
 def _tokenizer(spec: str):

@@ -124,6 +124,7 @@ def run_main_job(
                       "--max-new-tokens", str(distill.max_new_tokens), "--max-length", str(distill.max_length),
                       "--batch-size", str(distill.batch_size), "--dtype", dtype,
                       *(["--keep-in-flight"] if plan.keep_in_flight else []),
+                      *(["--head-layers", str(run.head.num_layers)] if run.head.num_layers else []),
                       *(["--layers", ",".join(map(str, layers))] if (layers := run.head.fused_layer_ids) else [])])
         overrides += [f"data.source={data}", "data.hidden_states=offline", f"data.cache_dir={cache}"]
     steps += [

@@ -23,6 +23,8 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass, field
 
+from .drafters import NAMES
+
 import torch
 
 GiB = 2**30
@@ -250,7 +252,8 @@ def training_step(config, seq_len: int, batch: int = 1, head_type: str = "eagle3
 
 
 def speculative_cycle(config, batch: int = 1, context: int = 4096, prompt: int | None = None, tree_tokens: int = 64,
-                      draft_vocab_size: int = 32000, dtype: str = "bf16", cpu_copies: tuple[str, ...] = ()) -> Estimate:
+                      draft_vocab_size: int = 32000, dtype: str = "bf16", cpu_copies: tuple[str, ...] = (),
+                      head_type: str = "eagle3", head_layers: int | None = None) -> Estimate:
     """Peak bytes of speculative generation for `batch` rows of `context` tokens (prompt + answer): weights, the
     target's and the head's KV caches, and the larger of the prefill's (a `prompt`-token forward, default the whole
     context, then the head's catch-up over it) and a verify forward's (tree_tokens per row) temporaries.
@@ -260,7 +263,8 @@ def speculative_cycle(config, batch: int = 1, context: int = 4096, prompt: int |
 
     target = meta_target(config)
     ts = target_shape(target)
-    hc = head_config_for(target, "eagle3", draft_vocab_size=min(draft_vocab_size, target.vocab_size))
+    hc = head_config_for(target, head_type, draft_vocab_size=min(draft_vocab_size, target.vocab_size),
+                         num_layers=head_layers)
     b = _ITEMSIZE[dtype]
     e = Estimate()
     e.parts["target weights"] = ts.total * b
@@ -296,6 +300,8 @@ def main(argv: list[str] | None = None) -> int:
                                 "process of an eyas training step and of speculative generation, for a target "
                                 "config (a folder, hub id or config.json; no weights are loaded).")
     p.add_argument("--target", required=True, help="target folder, hub id or config.json")
+    p.add_argument("--head-type", default="eagle3", choices=NAMES, help="the drafter algorithm (default eagle3)")
+    p.add_argument("--head-layers", type=int, default=None, help="its decoder layers (default: the algorithm's)")
     p.add_argument("--seq-len", type=int, default=4096)
     p.add_argument("--batch", type=int, default=1, help="sequences per process per micro-batch")
     p.add_argument("--processes", type=int, default=1, help="GPUs (processes) of the run")
@@ -310,11 +316,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--gpu-gib", type=float, default=80.0, help="memory per GPU, to say whether it fits")
     a = p.parse_args(argv)
     config = load_config(a.target)
-    train = training_step(config, a.seq_len, a.batch, draft_vocab_size=a.draft_vocab, ttt_steps=a.ttt_steps,
+    train = training_step(config, a.seq_len, a.batch, head_type=a.head_type, head_layers=a.head_layers,
+                          draft_vocab_size=a.draft_vocab, ttt_steps=a.ttt_steps,
                           precision=a.precision, target_dtype="bf16" if a.precision == "bf16" else "fp32",
                           placement=a.placement, processes=a.processes, group=a.group, head_sharding=a.head_sharding,
                           offline=a.offline)
-    cycle = speculative_cycle(config, context=a.seq_len, draft_vocab_size=a.draft_vocab)
+    cycle = speculative_cycle(config, context=a.seq_len, draft_vocab_size=a.draft_vocab, head_type=a.head_type,
+                              head_layers=a.head_layers)
     for name, est in (("training step", train), ("speculative generation", cycle)):
         fits = "fits" if est.total <= a.gpu_gib * GiB else "does NOT fit"
         print(est.format(f"{name} ({fits} in {a.gpu_gib:g} GiB):"))

@@ -187,8 +187,9 @@ class RunConfig:
         checks = [
             (self.head.num_layers is None or self.head.num_layers >= 1, "head.num_layers must be >= 1"),
             (algo.reduced_vocab or self.head.draft_vocab_size is None,
-             f"head.draft_vocab_size is for heads with an lm_head of their own (eagle3, peagle); a {self.head.type} "
-             "head predicts through the target's full lm_head: remove it"),
+             f"head.draft_vocab_size is for heads with an lm_head of their own "
+             f"({', '.join(n for n in NAMES if algorithm(n).reduced_vocab)}); {self.head.type} heads predict "
+             "through the target's full lm_head: remove it"),
             (self.loss.ttt_steps >= 1, "loss.ttt_steps must be >= 1"),
             (self.batch.size >= 1 and self.batch.grad_accum >= 1, "batch.size and batch.grad_accum must be >= 1"),
             (self.data.max_length >= 4, "data.max_length must be >= 4"),

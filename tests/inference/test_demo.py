@@ -13,6 +13,7 @@ import torch
 
 from eyas.inference.cli import main
 from eyas.inference.main_job import QUICK
+from eyas.models.drafters import NAMES, algorithm
 from tests.helpers.plots import assert_plotted
 from tests.helpers.train import TINY_CONFIG, write_conversations, write_target
 
@@ -37,11 +38,15 @@ def quick_args(tmp_path, monkeypatch):
     questions = tmp_path / "q.jsonl"
     questions.write_text("".join(json.dumps(q) + "\n" for q in QUESTIONS))
     return ["demo", "--quick", "--config", str(TINY_CONFIG), "--questions", str(questions), "--distill-source",
-            str(data), "--out", str(tmp_path / "run"), f"target.spec={target}", "head.draft_vocab_size=64"]
+            str(data), "--out", str(tmp_path / "run"), f"target.spec={target}"]
 
 
-def test_quick_demo_reaches_every_step_at_its_sizes_and_says_it_is_a_smoke_run(tmp_path, quick_args, capsys):
-    assert main(quick_args) == 0
+@pytest.mark.parametrize("head_type", NAMES)
+def test_quick_demo_reaches_every_step_at_its_sizes_and_says_it_is_a_smoke_run(tmp_path, quick_args, capsys,
+                                                                                head_type):
+    """Every head type through the whole path: regenerated states of the layers it reads, trained, exported, bench."""
+    reduced = ["head.draft_vocab_size=64"] if algorithm(head_type).reduced_vocab else []
+    assert main([*quick_args, f"head.type={head_type}", *reduced]) == 0
     out = capsys.readouterr().out
     run = tmp_path / "run"
     rows = [json.loads(x) for x in (run / "selfdistill.jsonl").read_text().splitlines()]
@@ -52,6 +57,7 @@ def test_quick_demo_reaches_every_step_at_its_sizes_and_says_it_is_a_smoke_run(t
     assert report["overall"]["questions"] == QUICK.limit < len(QUESTIONS)
     assert report["settings"]["max_new_tokens"] == QUICK.max_new_tokens
     assert "smoke run" in report["settings"]["note"]
+    assert json.loads((run / "head" / "config.json").read_text())["head_type"] == head_type
     assert_plotted(run / "bench" / "report.png")
     note = QUICK.note()
     assert out.startswith(note) and out.rstrip().endswith(note)  # said before it starts and after the table
