@@ -3,9 +3,13 @@ grew from: a Llama config with `draft_vocab_size` (SGLang: also `eagle_config` w
 decoder layer named `midlayer`. The reference writes `architectures: ["LlamaForCausalLM"]`, no layer ids and
 `pytorch_model.bin`; both are read here.
 
-Exports are written for SGLang (`eagle_config` ids, one decoder layer, no window, no norm_before_residual:
-its midlayer has neither). The EAGLE-3 reference (SafeAILab/EAGLE `eagle/model/cnets.py`) loads the same
-folder but ignores `eagle_config` and `head_dim`: it fuses the inputs of layers 2, N//2, N-3 and uses
+Imports read the EAGLE-3.1 fields SpecForge configs carry, `fc_norm` and `norm_output` (as vLLM and SGLang
+read it: true feeds the post-norm state to the next step), and `norm_before_fc` (NVIDIA's checkpoints keep it
+in `eagle_config`, where vLLM looks first). Exports are written for SGLang: `eagle_config` ids, one decoder
+layer, and none of norm_before_residual, a window, fc_norm, norm_before_fc or norm_output (the `llama_eagle3.py`
+this layout was checked against has none of them and skips weights it has no parameter for), so such heads are
+refused and belong in the speculators layout. The EAGLE-3 reference (SafeAILab/EAGLE `eagle/model/cnets.py`)
+loads the same folder but ignores `eagle_config` and `head_dim`: it fuses the inputs of layers 2, N//2, N-3 and uses
 hidden_size // num_heads, so a head that differs there is written for SGLang with a warning."""
 
 from __future__ import annotations
@@ -50,7 +54,9 @@ REFERENCE_ARCH = "LlamaForCausalLM"  # the EAGLE-3 reference: told apart from EA
 RENAMES = [("layers.0.", "midlayer.")]  # eyas prefix -> stored prefix
 LAYER_ID_OFFSET = -1  # foreign aux id = eyas fused id - 1 (eagle3_foreign)
 FIRST_CAPTURABLE = 1  # SGLang cannot capture the embedding output (eyas id 0)
-UNSUPPORTED_VARIANTS = ("norm_before_fc", "fc_norm", "norm_output")
+# The EAGLE-3 options a config may carry, top level or in eagle_config (read there first, as vLLM does).
+OPTIONS = ("norm_before_residual", "fc_norm", "norm_before_fc", "norm_output")
+UNSERVED = ("fc_norm", "norm_before_fc", "norm_output")  # options SGLang's llama_eagle3.py does not read
 
 
 class SGLangLayout:
@@ -62,16 +68,13 @@ class SGLangLayout:
 
     def read(self, folder: Path, raw: dict[str, Any], target) -> tuple[HeadConfig, dict[str, torch.Tensor]]:
         w = where(folder, self.name)
-        variants = [k for k in UNSUPPORTED_VARIANTS if raw.get(k)]
-        if variants:
-            raise InputError(f"{w}: EAGLE-3 variants {variants} are not supported by eyas heads")
         shape = shape_from_llama(raw, w)
         check_target_width(raw, shape, w)
-        ids = (raw.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
-        fused = fused_from_foreign(ids, LAYER_ID_OFFSET, target, w)
+        eagle = raw.get("eagle_config") or {}
+        fused = fused_from_foreign(eagle.get("eagle_aux_hidden_state_layer_ids"), LAYER_ID_OFFSET, target, w)
         config = HeadConfig(head_type="eagle3", draft_vocab_size=int(required(raw, "draft_vocab_size", w)),
                             fused_layer_ids=fused, target=identity("", shape),
-                            options={"norm_before_residual": bool(raw.get("norm_before_residual", False))},
+                            options={k: bool(eagle.get(k, raw.get(k, False))) for k in OPTIONS},
                             sliding_window=window_from_foreign(raw, shape["num_layers"], w), **shape)
         foreign = read_weights(folder)
         if "fc.weight" not in foreign:
@@ -94,6 +97,10 @@ class SGLangLayout:
         if c.sliding_window is not None:
             raise InputError(f"SGLang's EAGLE-3 midlayer attends over the whole context; this head has a "
                              f"{c.sliding_window}-token window: export it as speculators (vLLM) instead")
+        unserved = [k for k in UNSERVED if getattr(c.options, k)]
+        if unserved:
+            raise InputError(f"{unserved[0]}: SGLang's llama_eagle3.py does not read it, so it would serve this head "
+                             "without it: export it as speculators (vLLM) instead")
         ids, state = runtime_state(head, target, self.name, LAYER_ID_OFFSET, FIRST_CAPTURABLE, RENAMES)
         warn_reference(c, [i - LAYER_ID_OFFSET for i in ids], target)
         config = {"architectures": [ARCHS[0]], **llama_fields(c, head.fc.weight.dtype),

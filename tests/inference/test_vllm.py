@@ -44,7 +44,7 @@ SETTINGS = VllmSettings(max_new_tokens=24, eos_token_ids=(3,), num_speculative_t
 PROMPTS = [[2, 5, 77, 140, 9, 201, 33, 18], [2, 250, 251, 12, 90, 7, 7, 61, 150, 44, 3, 19, 250]]
 # (head config changes, draft vocab): a reduced vocab with fused layers eyas must sort and pad (and the
 # norm_before_residual variant), and a permuted full vocab written without maps (lm_head rows reordered)
-HEADS = {"reduced": (dict(fused_layer_ids=(6, 2), norm_before_residual=True), 100),
+HEADS = {"reduced": (dict(fused_layer_ids=(6, 2), options={"norm_before_residual": True}), 100),
          "full": (dict(num_layers=2), 320)}
 
 
@@ -65,7 +65,7 @@ def exported(tmp_path_factory):
         fields = dict(fields)
         torch.manual_seed(1)
         base = head_config_for(target, "eagle3", vocab, fields.pop("fused_layer_ids", None),
-                               fields.pop("num_layers", 1))
+                               fields.pop("num_layers", 1), options=fields.pop("options", None))
         head = DraftHead(dataclasses.replace(base, **fields), target)
         with torch.no_grad():
             for p in head.parameters():  # varied drafts, not one token everywhere

@@ -33,7 +33,7 @@ def _head(target, head_type="eagle3", seed=1, draft_vocab_size=100, fused_layer_
     with torch.no_grad():  # random norms too, so a swapped or dropped norm changes the logits
         for p in head.parameters():
             p.copy_(torch.randn_like(p) * 0.1 + (1.0 if p.ndim == 1 else 0.0))
-    if head_type == "eagle3":
+    if head.algorithm.reduced_vocab:
         vocab = torch.randperm(target.vocab_size, generator=torch.Generator().manual_seed(seed))
         head.set_vocab_map(vocab[: head.config.draft_vocab_size])
     return head
@@ -43,12 +43,17 @@ def _logits(head, target):
     """Draft logits in *target-id* space [B, T, V] (-inf outside the draft vocab): comparable across layouts
     that store the draft rows in different orders."""
     out = target(IDS, layer_ids=head.config.fused_layer_ids)
-    feat = out.features if head.config.head_type == "eagle3" else out.hidden
-    logits = head(IDS, head.fuse(feat), torch.arange(IDS.shape[1]).expand(2, -1)).logits
-    if head.config.head_type != "eagle3":
+    feat = out.features if head.config.fused_layer_ids else out.hidden
+    return _in_target_ids(head, head(IDS, head.fuse(feat), torch.arange(IDS.shape[1]).expand(2, -1)).logits)
+
+
+def _in_target_ids(head, logits, draft_to_target=None):
+    """Draft logits [..., draft_vocab] -> [..., V] scattered to the target ids draft row i stands for (the head's map
+    unless given), -inf elsewhere."""
+    if not head.algorithm.reduced_vocab:
         return logits
-    full = logits.new_full((*logits.shape[:2], head.config.vocab_size), float("-inf"))
-    full[..., head.draft_to_target] = logits
+    full = logits.new_full((*logits.shape[:-1], head.config.vocab_size), float("-inf"))
+    full[..., head.draft_to_target if draft_to_target is None else draft_to_target] = logits
     return full
 
 
@@ -70,16 +75,29 @@ def _runtime_fc_input(folder, target, fmt):
 
 
 # ---- round trips: export, load back, same logits ---------------------------------------------------------------
-@pytest.mark.parametrize("fmt,head_type", [("sglang", "eagle3"), ("speculators", "eagle3"), ("eagle", "eagle1")])
-def test_round_trip_through_foreign_layout(tmp_path, fmt, head_type):
+ROUND_TRIPS = {  # (format, head type, head fields): every head a foreign layout holds, and every option it carries
+    "sglang": ("sglang", "eagle3", {}),
+    "speculators": ("speculators", "eagle3", {}),
+    "eagle": ("eagle", "eagle1", {}),
+    "speculators-fc-norm": ("speculators", "eagle3", dict(fc_norm=True)),
+    "speculators-norm-before-fc": ("speculators", "eagle3", dict(norm_before_fc=True, norm_before_residual=True)),
+    "speculators-norm-output": ("speculators", "eagle3", dict(norm_output=True, num_layers=2)),
+    "speculators-peagle": ("speculators", "peagle", dict(num_layers=2, depths=3)),
+    "speculators-peagle-norm-before-fc": ("speculators", "peagle", dict(norm_before_fc=True, norm_output=True)),
+}
+
+
+@pytest.mark.parametrize("fmt,head_type,fields", ROUND_TRIPS.values(), ids=ROUND_TRIPS)
+def test_round_trip_through_foreign_layout(tmp_path, fmt, head_type, fields):
     target = tiny_target("llama", num_layers=8)  # default fused ids (2, 4, 5): three, as the runtimes need
-    head = _head(target, head_type)
+    head = _head(target, head_type, **fields)
     _export(head, tmp_path, fmt, target, name=fmt)
     foreign = load_head(tmp_path / fmt, target)
     torch.testing.assert_close(_logits(foreign, target), _logits(head, target), rtol=0, atol=0)
     export_head(tmp_path / fmt, tmp_path / "back", "eyas")  # foreign -> eyas
     back = load_head(tmp_path / "back", target)
     assert back.config == head.config
+    assert all(torch.equal(back.state_dict()[k], v) for k, v in head.state_dict().items())  # mask_hidden, norms too
     assert json.loads((tmp_path / "back" / "config.json").read_text())["target"]["tokenizer_fingerprint"] == ""
     torch.testing.assert_close(_logits(back, target), _logits(head, target), rtol=0, atol=0)
 
@@ -120,6 +138,66 @@ def test_fused_layers_that_no_runtime_can_read_are_refused(tmp_path):
     export_head(tmp_path / "two", tmp_path / "x", "sglang", target)
     assert json.loads((tmp_path / "x" / "config.json").read_text())["eagle_config"][
         "eagle_aux_hidden_state_layer_ids"] == [0, 1, 3]  # eyas 1 (the first capturable spare), 2, 4
+
+
+# head fields -> None where the conversion to three layers in layer order is exact, else what its refusal names
+FUSION_WITH_NORMS = {
+    "fc-norm-unsorted": ("eagle3", dict(fused_layer_ids=(5, 2, 4), fc_norm=True), None),
+    "fc-norm-two": ("eagle3", dict(fused_layer_ids=(4, 2), fc_norm=True), None),
+    "fc-norm-one": ("eagle3", dict(fused_layer_ids=(6,), fc_norm=True), None),
+    "fc-norm-repeated": ("eagle3", dict(fused_layer_ids=(2, 2, 5), fc_norm=True), None),
+    "norm-before-fc-unsorted": ("eagle3", dict(fused_layer_ids=(5, 2, 4), norm_before_fc=True), None),
+    "norm-before-fc-two": ("eagle3", dict(fused_layer_ids=(4, 2), norm_before_fc=True), "norm_before_fc"),
+    "norm-before-fc-repeated": ("eagle3", dict(fused_layer_ids=(2, 2, 5), norm_before_fc=True), "norm_before_fc"),
+    "peagle-unsorted-norm-before-fc": ("peagle", dict(fused_layer_ids=(5, 2, 4), norm_before_fc=True), None),
+    "peagle-two": ("peagle", dict(fused_layer_ids=(4, 2)), None),
+    "peagle-repeated": ("peagle", dict(fused_layer_ids=(2, 2, 5)), "mask_hidden"),
+}
+
+
+def _runtime_fusion(weights, states, eps):
+    """What vLLM's combine_hidden_states makes of states [..., 3H] (captured in layer order) with the exported
+    weights: input_norm over the whole (norm_before_fc) or fc_norm.j over block j, then the fc. The norms are
+    transformers' LlamaRMSNorm, the class speculators builds."""
+    def norm(weight, x):
+        module = LlamaRMSNorm(weight.numel(), eps=eps)
+        module.weight.data = weight
+        return module(x)
+
+    if "input_norm.weight" in weights:
+        states = norm(weights["input_norm.weight"], states)
+    if "fc_norm.0.weight" in weights:
+        states = torch.cat([norm(weights[f"fc_norm.{j}.weight"], x) for j, x in enumerate(states.chunk(3, -1))], -1)
+    return states @ weights["fc.weight"].T
+
+
+@pytest.mark.parametrize("head_type,fields,refusal", FUSION_WITH_NORMS.values(), ids=FUSION_WITH_NORMS)
+def test_fused_layer_conversion_carries_each_blocks_norm_and_mask_state(tmp_path, head_type, fields, refusal):
+    """fc_norm: a block's norm weight moves with its fc block; a layer fused twice folds its norms into its summed
+    fc block (W_a diag(g_a) + W_b diag(g_b), a unit norm: RMS normalisation without its weight is one function of
+    the state); a spare layer gets a zero block and a unit norm. norm_before_fc (one norm over the concatenation):
+    only a reordering keeps its RMS, so padding and summing are refused. P-EAGLE's mask state moves block by
+    block, and a layer fused twice has two mask blocks that no one block can stand for. The runtime's fusion of
+    the captured states, and of the mask state, gives the head's."""
+    target = tiny_target("llama", num_layers=8)
+    head = _head(target, head_type, **fields)
+    if refusal:
+        with pytest.raises(ValueError, match=f"{refusal}.*no exact conversion"):
+            _export(head, tmp_path, "speculators", target)
+        return
+    folder = _export(head, tmp_path, "speculators", target)
+    ids = json.loads((folder / "config.json").read_text())["eagle_aux_hidden_state_layer_ids"]
+    weights = load_file(str(folder / "model.safetensors"))
+    states = target.model(IDS, output_hidden_states=True).hidden_states
+    features = target(IDS, layer_ids=fields["fused_layer_ids"]).features
+    pairs = [(torch.cat([states[i] for i in ids], -1), head.fuse(features))]  # (runtime's fc input, head's state)
+    if head_type == "peagle":
+        assert weights["mask_hidden"].shape == (1, 1, 192)  # as speculators' PEagleDraftModel holds it
+        pairs.append((weights["mask_hidden"][0, 0], head.fuse(head.mask_hidden)))
+    for captured, ours in pairs:  # folding rounds differently: fp32 rounding apart
+        torch.testing.assert_close(_runtime_fusion(weights, captured, head.config.rms_norm_eps), ours,
+                                   rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(_logits(load_head(folder, target), target), _logits(head, target), rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("fmt", ["sglang", "speculators"])
@@ -170,6 +248,7 @@ def test_speculators_layout_fields_and_keys(tmp_path):
     assert config["speculators_model_type"] == "eagle3" and config["architectures"] == ["Eagle3Speculator"]
     assert config["eagle_aux_hidden_state_layer_ids"] == [2, 4, 5]  # vLLM numbering = eyas numbering
     assert config["norm_before_residual"] is True and config["draft_vocab_size"] == 100
+    assert (config["fc_norm"], config["norm_before_fc"], config["norm_output"]) == (False, False, False)
     assert config["speculators_version"] == SPECULATORS_VERSION  # installed (as on CI) or the release followed
     spec = config["speculators_config"]
     assert spec["algorithm"] == "eagle3" and spec["default_proposal_method"] == "greedy"
@@ -187,6 +266,31 @@ def test_speculators_layout_fields_and_keys(tmp_path):
     again = load_head(folder, target)
     assert again.config.options.norm_before_residual
     torch.testing.assert_close(_logits(again, target), _logits(head, target), rtol=0, atol=0)
+
+
+def test_speculators_layout_holds_peagle_heads(tmp_path):
+    """P-EAGLE as speculators' PEagleSpeculatorConfig and vLLM's update_peagle read it: the mask token (vLLM's pard
+    token), the draft positions as the proposal's speculative tokens, mask_hidden stored [1, 1, F]; loaded back, it
+    proposes what the head proposes."""
+    target = tiny_target("llama", num_layers=8)
+    head = _head(target, "peagle", num_layers=2, depths=5, norm_before_fc=True)
+    folder = _export(head, tmp_path, "speculators", target)
+    config = json.loads((folder / "config.json").read_text())
+    assert (config["speculators_model_type"], config["architectures"]) == ("peagle", ["PEagleSpeculator"])
+    assert config["speculators_config"]["algorithm"] == "peagle"
+    assert config["speculators_config"]["proposal_methods"][0]["speculative_tokens"] == 5
+    assert config["mask_token_id"] == head.options.mask_token_id is not None
+    assert (config["norm_before_fc"], config["fc_norm"]) == (True, False)
+    weights = load_file(str(folder / "model.safetensors"))
+    assert weights["mask_hidden"].shape == (1, 1, 192) and "input_norm.weight" in weights
+    again = load_head(folder, target)
+    assert again.config == head.config
+    feat = target(IDS, layer_ids=head.config.fused_layer_ids).features
+    pos = torch.arange(7).expand(2, -1)
+    proposals = [h.propose(IDS, feat, pos, [7, 5], h.new_cache(2, 16), 5) for h in (head, again)]  # [B, 5, vocab]
+    torch.testing.assert_close(proposals[1], proposals[0], rtol=0, atol=0)
+    with pytest.raises(ValueError, match="fc_norm: vLLM 0.32 does not read it for peagle heads"):
+        _export(_head(target, "peagle", fc_norm=True), tmp_path, "speculators", target, "fc_norm")
 
 
 def test_speculators_verifier_names_a_loadable_model(tmp_path, monkeypatch):
@@ -220,7 +324,7 @@ def test_sliding_window_head_exports_its_window_to_vllm_only(tmp_path):
 
 
 # head fields -> a speculators export the library's own model must compute as eyas does: the fused ids sorted,
-# padded with a zero block or summed, the variant flag, a full vocabulary without maps, several layers, a window
+# padded with a zero block or summed, the variant flags, a full vocabulary without maps, several layers, a window
 SPECULATORS_HEADS = {
     "reduced-vocab": dict(),
     "unsorted-norm-before-residual": dict(fused_layer_ids=(5, 2, 4), norm_before_residual=True),
@@ -228,49 +332,131 @@ SPECULATORS_HEADS = {
     "repeated-layer": dict(fused_layer_ids=(2, 2, 5)),
     "full-vocab-two-decoder-layers": dict(draft_vocab_size=320, num_layers=2),
     "sliding-window": dict(sliding_window=4),
+    "fc-norm-unsorted-two-decoder-layers": dict(fused_layer_ids=(5, 2, 4), fc_norm=True, num_layers=2),
+    "fc-norm-repeated-layer": dict(fused_layer_ids=(2, 2, 5), fc_norm=True),
+    "fc-norm-two-layers-fused": dict(fused_layer_ids=(4, 2), fc_norm=True),
+    "norm-before-fc-unsorted-two-decoder-layers": dict(fused_layer_ids=(5, 2, 4), norm_before_fc=True, num_layers=2),
+    "norm-output-two-decoder-layers": dict(norm_output=True, num_layers=2),
 }
 
 
-def _drafting_logits(head, target):
-    """`_logits` as drafting computes them: through the head's cache with a mask, where its own window applies."""
+def _drafting_logits(head, target, steps=1):
+    """`_logits` as drafting computes them, through the head's cache with a mask (its own window applies): step 0 at
+    every index t, then (steps=2) the next step at every t < T-1 as drafting takes it: token t+1 at position t+1,
+    the state step 0 hands on (`feedback`), seeing step 0's entries up to t and itself."""
     b, t = IDS.shape
     feat = head.fuse(target(IDS, layer_ids=head.config.fused_layer_ids).features)
-    logits = head(IDS, feat, torch.arange(t).expand(b, -1), causal(t)[None].expand(b, -1, -1),
-                  head.new_cache(b, t)).logits
-    full = logits.new_full((b, t, head.config.vocab_size), float("-inf"))
-    full[..., head.draft_to_target] = logits
-    return full
+    pos, cache = torch.arange(t).expand(b, -1), head.new_cache(b, 2 * t)
+    first = head(IDS, feat, pos, causal(t)[None].expand(b, -1, -1), cache)
+    out = [first.logits]
+    if steps == 2:
+        allowed = torch.cat([causal(t)[:-1], torch.eye(t - 1, dtype=torch.bool)], 1)[None].expand(b, -1, -1)
+        out.append(head(IDS[:, 1:], head.feedback(first.hidden[:, :-1]), pos[:, 1:], allowed, cache).logits)
+    return [_in_target_ids(head, logits) for logits in out]
 
 
-@pytest.mark.skipif(importlib.util.find_spec("speculators") is None,
-                    reason="the speculators library is not installed (.ci/run installs it)")
-@pytest.mark.parametrize("fields", SPECULATORS_HEADS.values(), ids=SPECULATORS_HEADS)
-def test_speculators_library_computes_the_exported_heads_logits(tmp_path, monkeypatch, fields):
-    """speculators 0.9.0's own Eagle3DraftModel loads the speculators export (the verifier's weights from the target
-    folder it names) and computes the head's draft logits from the states vLLM captures for its aux ids."""
-    from speculators.models.eagle3 import Eagle3DraftModel
-
+def _saved_target(tmp_path, monkeypatch):
+    """A target whose folder speculators can load as the export's verifier (offline)."""
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     model = tiny_model("llama", num_layers=8)
     model.save_pretrained(tmp_path / "target")
-    target = Target(model, tiny_tokenizer(), str(tmp_path / "target"))
-    head = _head(target, **fields)
-    folder = _export(head, tmp_path, "speculators", target)
-    theirs = Eagle3DraftModel.from_pretrained(str(folder)).eval()
+    return Target(model, tiny_tokenizer(), str(tmp_path / "target"))
+
+
+def _speculators_model(cls, folder):
+    """speculators' model class `cls` loading the export, with dense masks: flex attention's block masks assume
+    sequences of whole 128-token blocks when a TTT step extends them, and either is the library's own path."""
+    config = cls.config_class.from_pretrained(str(folder))
+    config.transformer_layer_config._attn_implementation = "eager"
+    return cls.from_pretrained(str(folder), config=config).eval()
+
+
+def _captured(folder, target):
+    """The fc input vLLM builds for the export: the hidden states of its aux ids, concatenated [B, T, 3H]."""
     aux_ids = json.loads((folder / "config.json").read_text())["eagle_aux_hidden_state_layer_ids"]
     states = target.model(IDS, output_hidden_states=True).hidden_states
-    aux = torch.cat([states[i] for i in aux_ids], dim=-1)
+    return torch.cat([states[i] for i in aux_ids], dim=-1)
+
+
+needs_speculators = pytest.mark.skipif(importlib.util.find_spec("speculators") is None,
+                                       reason="the speculators library is not installed (.ci/run installs it)")
+
+
+@needs_speculators
+@pytest.mark.parametrize("fields", SPECULATORS_HEADS.values(), ids=SPECULATORS_HEADS)
+def test_speculators_library_computes_the_exported_heads_logits(tmp_path, monkeypatch, fields):
+    """speculators 0.9.0's own Eagle3DraftModel loads the speculators export (the verifier's weights from the target
+    folder it names) and computes the head's draft logits from the states vLLM captures for its aux ids, at the
+    first drafting step and at the second, which reads the state the first hands on (norm_output)."""
+    from speculators.models.eagle3 import Eagle3DraftModel
+
+    target = _saved_target(tmp_path, monkeypatch)
+    head = _head(target, **fields)
+    folder = _export(head, tmp_path, "speculators", target)
+    theirs = _speculators_model(Eagle3DraftModel, folder)
+    aux = _captured(folder, target)
+    # speculators' TTT mask slides a window by index, and a later step drafts one position on: with a window only
+    # its first step is drafting's
+    steps = 1 if head.config.sliding_window else 2
     drafts = []
     theirs.lm_head.register_forward_hook(lambda module, args, out: drafts.append(out))
-    with torch.no_grad():  # one TTT step drafts at every position; speculators takes one packed sequence per call
+    with torch.no_grad():  # a TTT step drafts at every position; speculators takes one packed sequence per call
         for row in range(IDS.shape[0]):
             theirs(aux[row:row + 1], IDS[row:row + 1], document_ids=torch.zeros_like(IDS[row:row + 1]),
-                   position_ids=torch.arange(IDS.shape[1])[None], ttt_steps=1)
-    draft = torch.cat(drafts)  # [B, T, draft vocab], rows in the export's order
-    logits = draft.new_full((*draft.shape[:2], target.vocab_size), float("-inf"))
-    logits[..., torch.arange(draft.shape[-1]) + (theirs.d2t if theirs.use_draft_vocab else 0)] = draft
-    # the same fp32 head by two implementations (flex attention and other kernels): rounding apart, ~2e-6 here
-    torch.testing.assert_close(logits, _drafting_logits(head, target), rtol=1e-5, atol=1e-5)
+                   position_ids=torch.arange(IDS.shape[1])[None], ttt_steps=steps)
+    d2t = torch.arange(theirs.draft_vocab_size) + (theirs.d2t if theirs.use_draft_vocab else 0)
+    ours = _drafting_logits(head, target, steps)
+    for step in range(steps):  # drafts: row 0's steps, then row 1's; the second step's last index drafts past the end
+        draft = torch.cat(drafts[step::steps])[:, :ours[step].shape[1]]  # [B, T, draft vocab], the export's rows
+        # the same fp32 head by two implementations (flex attention and other kernels): rounding apart, ~2e-6 here
+        torch.testing.assert_close(_in_target_ids(head, draft, d2t), ours[step], rtol=1e-5, atol=1e-5)
+
+
+# P-EAGLE heads a speculators export of which the library must draft as eyas does: plain, with the norm over the
+# concatenation (its weight and the mask state permuted with the fc blocks), two fused layers (zero mask block)
+PEAGLE_HEADS = {
+    "peagle": dict(),
+    "norm-before-fc-unsorted": dict(fused_layer_ids=(5, 2, 4), norm_before_fc=True, norm_before_residual=True),
+    "two-layers-fused-full-vocab": dict(fused_layer_ids=(4, 2), draft_vocab_size=320),
+}
+
+
+@needs_speculators
+@pytest.mark.parametrize("fields", PEAGLE_HEADS.values(), ids=PEAGLE_HEADS)
+def test_speculators_library_computes_the_exported_peagle_heads_logits(tmp_path, monkeypatch, fields):
+    """speculators 0.9.0's own PEagleDraftModel loads the export; its training forward, given every anchor at every
+    depth instead of a random COD sample, computes at each position (anchor a, depth d) what eyas's `propose`
+    drafts d tokens after root a: the mask token and the fused mask state at position a + d, seeing the context
+    up to a and its own rollout."""
+    from speculators.losses import resolve_loss_config
+    from speculators.models.peagle import PEagleDraftModel, core
+
+    k, t = 4, IDS.shape[1]
+    anchors = [torch.arange(t - d) for d in range(k)]  # depth d at every anchor a with a + d < T
+    depths = torch.cat([torch.full((len(a),), d) for d, a in enumerate(anchors)])
+    monkeypatch.setattr(core, "generate_cod_sample_indices", lambda *args, **kw: (torch.cat(anchors), depths))
+    target = _saved_target(tmp_path, monkeypatch)
+    head = _head(target, "peagle", num_layers=2, depths=k, **fields)
+    folder = _export(head, tmp_path, "speculators", target)
+    theirs = _speculators_model(PEagleDraftModel, folder)
+    aux = _captured(folder, target)
+    drafts = []
+    theirs.lm_head.register_forward_hook(lambda module, args, out: drafts.append(out[0]))
+    with torch.no_grad():
+        for row in range(IDS.shape[0]):  # the loss needs verifier states: any will do, only the logits are compared
+            theirs(aux[row:row + 1], IDS[row:row + 1], document_ids=torch.zeros_like(IDS[row:row + 1]),
+                   verifier_last_hidden_states=torch.zeros(1, t, 64), num_depths=k,
+                   loss_config=resolve_loss_config("kl_div", "eager"))  # the fused loss needs Triton
+        feat = target(IDS, layer_ids=head.config.fused_layer_ids).features
+        d2t = torch.arange(theirs.draft_vocab_size) + (theirs.d2t if theirs.use_draft_vocab else 0)
+        for row in range(IDS.shape[0]):
+            for a in range(t):
+                ours = head.propose(IDS[row:row + 1, :a + 1], feat[row:row + 1, :a + 1], torch.arange(a + 1)[None],
+                                    [a + 1], head.new_cache(1, t + k), k)[0]  # [k, draft vocab]
+                d = torch.arange(min(k, t - a))
+                at = torch.tensor([sum(t - e for e in range(x)) for x in d.tolist()]) + a  # (a, d) in the packed rows
+                torch.testing.assert_close(_in_target_ids(head, drafts[row][at], d2t),
+                                           _in_target_ids(head, ours[d]), rtol=1e-5, atol=1e-5)
 
 
 def test_eagle1_export_loads_in_the_pypi_reference(tmp_path, caplog):
@@ -445,6 +631,47 @@ def test_specforge_sglang_head_imports_as_trained(tmp_path):
     _check_released(folder, target, weights, config, (2, 4, 7), False)  # SGLang ids are layer outputs: +1
 
 
+def test_released_peagle_head_imports_as_trained(tmp_path):
+    """A speculators P-EAGLE head: its draft positions come from the proposal's speculative tokens, its mask state
+    [1, 1, F] becomes the head's [F]; norm_before_residual may be absent (speculators and vLLM's update_peagle both
+    default it to false), and fc_norm, which speculators trains P-EAGLE heads with too, is read."""
+    target = tiny_target("llama", num_layers=8)
+    weights = _released_weights(target, "layers.0")
+    weights["mask_hidden"] = torch.randn(1, 1, 192, generator=torch.Generator().manual_seed(5)).to(torch.bfloat16)
+    spec = _redhat_config()["speculators_config"]
+    config = {k: v for k, v in _redhat_config().items() if k != "norm_before_residual"}
+    config.update(speculators_model_type="peagle", architectures=["PEagleSpeculator"], mask_token_id=7,
+                  embed_requires_grad=True, speculators_config={
+                      **spec, "algorithm": "peagle", "proposal_methods": [{**spec["proposal_methods"][0],
+                                                                           "speculative_tokens": 6}]})
+    folder = _write(tmp_path / "peagle", config, weights)
+    _check_released(folder, target, weights, REDHAT_LAYER, (2, 4, 5), False)  # the root drafts as EAGLE-3's
+    head = load_head(folder, target)
+    assert head.config.head_type == "peagle" and (head.options.depths, head.options.mask_token_id) == (6, 7)
+    assert torch.equal(head.mask_hidden, weights["mask_hidden"].float()[0, 0])
+    norms = {f"fc_norm.{j}.weight": torch.rand(64) + 0.5 for j in range(3)}
+    assert load_head(_write(tmp_path / "fc_norm", {**config, "fc_norm": True}, {**weights, **norms}),
+                     target).config.options.fc_norm
+
+
+def test_sglang_heads_with_eagle31_fields_import_as_trained(tmp_path):
+    """SpecForge writes fc_norm and norm_output among the Llama fields (its configs/qwen3-30B-A3B-eagle3.1.json),
+    NVIDIA's checkpoints norm_before_fc in eagle_config (where vLLM reads it first). Loaded, the head drafts both
+    steps as the head those weights came from (norm_output: the second reads the post-norm state)."""
+    target = tiny_target("llama", num_layers=8)
+    config = json.loads((_export(_head(target), tmp_path, "sglang", target, "plain") / "config.json").read_text())
+    nvidia = {**config["eagle_config"], "norm_before_fc": True}
+    cases = {"specforge": (dict(fc_norm=True, norm_output=True), dict(fc_norm=True, norm_output=True)),
+             "nvidia": (dict(norm_before_fc=True), dict(eagle_config=nvidia))}
+    for name, (fields, written) in cases.items():
+        head = _head(target, **fields)
+        state = {k.replace("layers.0.", "midlayer."): v for k, v in head.state_dict().items()}
+        loaded = load_head(_write(tmp_path / name, {**config, **written}, state), target)
+        assert loaded.config == head.config
+        for theirs, ours in zip(_drafting_logits(loaded, target, 2), _drafting_logits(head, target, 2)):
+            torch.testing.assert_close(theirs, ours, rtol=0, atol=0)
+
+
 def test_released_sliding_window_layers(tmp_path):
     target = tiny_target("llama", num_layers=8)
     weights = _released_weights(target, "layers.0")
@@ -472,6 +699,24 @@ def test_eagle1_reference_folder_with_pytorch_bin(tmp_path):
               "vocab_size": 320, "max_position_embeddings": 512}  # no rope_theta: the reference's 10000
     loaded = load_head(_write(tmp_path / "e", config, state, bin_file=True), target)
     torch.testing.assert_close(_logits(loaded, target), _logits(head, target), rtol=0, atol=0)
+
+
+def test_eyas_layout_holds_every_algorithm_and_reads_format_1(tmp_path):
+    """save_head / load_head keep a P-EAGLE head whole (every option, the mask state); a format-1 head (EAGLE-3's
+    norm_before_residual among the shape fields, no options) loads as the same head."""
+    target = tiny_target("llama", num_layers=8)
+    head = _head(target, "peagle", num_layers=2, depths=3, depth_keep=0.5, fc_norm=True, norm_output=True)
+    save_head(head, tmp_path / "peagle")
+    again = load_head(tmp_path / "peagle", target)
+    assert again.config == head.config
+    assert all(torch.equal(again.state_dict()[k], v) for k, v in head.state_dict().items())
+    old = _head(target, norm_before_residual=True)
+    config = {k: v for k, v in old.config.to_dict().items() if k != "options"}
+    folder = _write(tmp_path / "format1", {"eyas_format": 1, **config, "norm_before_residual": True},
+                    dict(old.state_dict()))
+    loaded = load_head(folder, target)
+    assert loaded.config == old.config and loaded.options.norm_before_residual
+    torch.testing.assert_close(_logits(loaded, target), _logits(old, target), rtol=0, atol=0)
 
 
 # ---- CLI, dtype, refusals ----------------------------------------------------------------------------------------
@@ -502,7 +747,7 @@ def test_export_refusals_are_clear_and_write_nothing(tmp_path, capsys):
     save_head(_head(target, num_layers=2), tmp_path / "deep")
     assert main(["export", str(tmp_path / "e1"), "--out", str(tmp_path / "x"), "--format", "sglang"]) == 2
     assert "holds eagle3 heads only" in capsys.readouterr().err
-    with pytest.raises(ValueError, match="holds eagle3 heads only"):
+    with pytest.raises(ValueError, match="holds eagle3 and peagle heads; this head is eagle1"):
         export_head(tmp_path / "e1", tmp_path / "x", "speculators")
     with pytest.raises(ValueError, match="holds eagle1 heads only"):
         export_head(tmp_path / "deep", tmp_path / "x", "eagle", target)
@@ -515,6 +760,10 @@ def test_export_refusals_are_clear_and_write_nothing(tmp_path, capsys):
     save_head(DraftHead(head_config_for(target, "eagle3", attention_bias=True), target), tmp_path / "qkv_bias")
     with pytest.raises(ValueError, match="no Llama-config equivalent"):
         export_head(tmp_path / "qkv_bias", tmp_path / "x", "sglang", target)
+    for option in ("fc_norm", "norm_before_fc", "norm_output"):  # SGLang's draft model reads none of them
+        save_head(_head(target, **{option: True}), tmp_path / option)
+        with pytest.raises(ValueError, match=f"{option}: SGLang's llama_eagle3.py does not read it.*as speculators"):
+            export_head(tmp_path / option, tmp_path / "x", "sglang", target)
     with pytest.raises(ValueError, match="unknown export format"):
         export_head(tmp_path / "e1", tmp_path / "x", "onnx")
     with pytest.raises(FileNotFoundError, match="training checkpoint"):
@@ -562,8 +811,11 @@ def test_foreign_load_errors_name_the_problem(tmp_path):
     with pytest.raises(ValueError, match="norm_before_residual is missing"):
         load_head(tmp_path / "ambiguous", target)
     _write(tmp_path / "fc_norm", _redhat_config(fc_norm=True), spec_weights)
-    with pytest.raises(ValueError, match="fc_norm"):
+    with pytest.raises(ValueError, match=r"missing \['fc_norm.0.weight', 'fc_norm.1.weight', 'fc_norm.2.weight'\]"):
         load_head(tmp_path / "fc_norm", target)
+    _write(tmp_path / "both_norms", _redhat_config(fc_norm=True, norm_before_fc=True), spec_weights)
+    with pytest.raises(ValueError, match="fc_norm and norm_before_fc are exclusive"):
+        load_head(tmp_path / "both_norms", target)
     _write(tmp_path / "qwen3", _redhat_config(transformer_layer_config={**REDHAT_LAYER, "model_type": "qwen3"}),
            spec_weights)
     with pytest.raises(ValueError, match="qwen3"):
