@@ -23,9 +23,9 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass, field
 
-from .drafters import NAMES
-
 import torch
+
+from .drafters import NAMES
 
 GiB = 2**30
 _ITEMSIZE = {"fp32": 4, "bf16": 2, "fp16": 2}
