@@ -1,12 +1,12 @@
 """Head layouts: how a draft head is stored on disk, for eyas and for the runtimes that serve heads.
 
-Each layout is a small module of its own, registered here by name: `eyas` (the native format), `sglang`
-(SGLang / SpecForge, and the EAGLE-3 reference on import), `speculators` (vLLM) and `eagle` (the EAGLE-1
-reference). A layout knows how to recognise its config.json (`detect`), read a head (`read`: config +
-weights in eyas naming) and write one (`write`) so that its runtime computes what the head computes. Every
-layout loads directly (`load_head`, `--head`) and any head converts to any layout that can hold it
-(`export_head`); a layout that cannot hold a head exactly refuses it, naming why. docs/runtimes.md says which
-runtime version reads each layout.
+Each layout is a small module of its own, registered here by name: `eyas` (the native format), `zlab` (z-lab's
+DFlash reference, which vLLM also serves), `speculators` (vLLM), `sglang` (SGLang / SpecForge, and the EAGLE-3
+reference on import) and `eagle` (the EAGLE-1 reference). A layout knows how to recognise its config.json
+(`detect`), read a head (`read`: config + weights in eyas naming) and write one (`write`) so that its runtime
+computes what the head computes. Every layout loads directly (`load_head`, `--head`) and any head converts to any
+layout that can hold it (`export_head`); a layout that cannot hold a head exactly refuses it, naming why.
+docs/runtimes.md says which runtime version reads each layout.
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ def register(layout: Layout) -> Layout:
     return layout
 
 
-from . import eyas, speculators, sglang, eagle1  # noqa: E402,F401,I001  (each registers itself; detection tries them in this order)
+from . import eyas, zlab_dflash, speculators, sglang, eagle1  # noqa: E402,F401,I001  (each registers itself; detection tries them in this order)
 
 FORMATS = tuple(LAYOUTS)
 
@@ -59,9 +59,10 @@ def detect_layout(raw: dict[str, Any]) -> str:
             return name
     archs = raw.get("architectures") or []
     raise InputError(
-        f"unknown head layout (architectures={archs}): expected an eyas head (eyas_format), a speculators head "
-        "(speculators_model_type), an SGLang / EAGLE-3 reference head (LlamaForCausalLMEagle3, or LlamaForCausalLM "
-        "with draft_vocab_size) or an EAGLE-1 reference head (LlamaForCausalLM)"
+        f"unknown head layout (architectures={archs}): expected an eyas head (eyas_format), a z-lab DFlash head "
+        "(DFlashDraftModel, dflash_config), a speculators head (speculators_model_type), an SGLang / EAGLE-3 "
+        "reference head (LlamaForCausalLMEagle3, or LlamaForCausalLM with draft_vocab_size) or an EAGLE-1 reference "
+        "head (LlamaForCausalLM)"
     )
 
 

@@ -69,11 +69,13 @@ def rename(key: str, pairs: list[tuple[str, str]]) -> str:
     return key
 
 
-def shape_from_llama(d: dict[str, Any], where: str) -> dict[str, Any]:
-    """HeadConfig shape fields from a Llama-style config dict; refuses what the eyas layer cannot run."""
+def shape_from_llama(d: dict[str, Any], where: str, o_bias: bool = False) -> dict[str, Any]:
+    """HeadConfig shape fields from a Llama-style config dict; refuses what the eyas layer cannot run. o_bias: the
+    head's attention_bias biases o_proj as well as q/k/v (DFlash's does), so a config's attention_bias, which
+    biases all four in Llama and Qwen3, is its equivalent and is read."""
     if d.get("hidden_act", "silu") != "silu":
         raise InputError(f"{where}: hidden_act {d['hidden_act']!r} is not supported (eyas heads use silu)")
-    if d.get("mlp_bias") or d.get("attention_bias"):
+    if d.get("mlp_bias") or (d.get("attention_bias") and not o_bias):
         raise InputError(f"{where}: mlp_bias/attention_bias heads are not supported "
                          "(Llama's attention_bias also biases o_proj)")
     rope = d.get("rope_parameters") or {}
@@ -95,19 +97,21 @@ def shape_from_llama(d: dict[str, Any], where: str) -> dict[str, Any]:
         rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
         rope_theta=float(d.get("rope_theta", rope.get("rope_theta", 10000.0))),
         max_position_embeddings=int(d.get("max_position_embeddings", 4096)),
+        attention_bias=bool(d.get("attention_bias")),
     )
 
 
-def llama_fields(c: HeadConfig, dtype: torch.dtype) -> dict[str, Any]:
-    """The Llama-style decoder fields of config `c` (what every foreign layout's config holds)."""
-    if c.attention_bias:
+def llama_fields(c: HeadConfig, dtype: torch.dtype, o_bias: bool = False) -> dict[str, Any]:
+    """The Llama-style decoder fields of config `c` (what every foreign layout's config holds); o_bias as in
+    `shape_from_llama`."""
+    if c.attention_bias and not o_bias:
         raise InputError("a head with q/k/v biases has no Llama-config equivalent "
                          "(Llama's attention_bias also biases o_proj)")
     return {
         "model_type": "llama", "hidden_size": c.hidden_size, "intermediate_size": c.intermediate_size,
         "num_attention_heads": c.num_attention_heads, "num_key_value_heads": c.num_key_value_heads,
         "head_dim": c.head_dim, "hidden_act": "silu", "rms_norm_eps": c.rms_norm_eps, "rope_theta": c.rope_theta,
-        "rope_scaling": None, "max_position_embeddings": c.max_position_embeddings, "attention_bias": False,
+        "rope_scaling": None, "max_position_embeddings": c.max_position_embeddings, "attention_bias": c.attention_bias,
         "vocab_size": c.vocab_size, "num_hidden_layers": c.num_layers, "tie_word_embeddings": False,
         "torch_dtype": str(dtype).removeprefix("torch."),
     }

@@ -58,13 +58,15 @@ def fused_from_foreign(ids: Sequence[int] | None, offset: int, target, where: st
                      "defaults (2, N//2, N-3)")
 
 
-def runtime_fusion(head, target, layout: str, offset: int, first_capturable: int
-                   ) -> tuple[list[int], dict[str, torch.Tensor]]:
+def runtime_fusion(head, target, layout: str, offset: int, first_capturable: int,
+                   width: int | None = RUNTIME_FUSED_LAYERS) -> tuple[list[int], dict[str, torch.Tensor]]:
     """(foreign aux ids, the head's fusion tensors rewritten for them) that make runtime `layout` compute exactly
     the head's fusion: `FEATURE_TENSORS` and the fc_norm weights, block by block in the runtime's layer order.
 
     `first_capturable` is the lowest eyas id the runtime can capture; the target's layer count (from `target`,
-    else the head's recorded identity) bounds the rest."""
+    else the head's recorded identity) bounds the rest. `width`: the fused layers the runtime's fc reads (None: as
+    many as the config names, DFlash's; the blocks are still sorted and a repeated layer's summed, since the
+    runtime captures each layer once, in layer order)."""
     c = head.config
     n = layer_count(c, target)
     if n is not None and n in c.fused_layer_ids:
@@ -84,12 +86,12 @@ def runtime_fusion(head, target, layout: str, offset: int, first_capturable: int
         if f"{FC_NORM}.{j}.weight" in state:
             part[FC_NORM] = state[f"{FC_NORM}.{j}.weight"]
         parts.setdefault(i, []).append(part)
-    if len(parts) > RUNTIME_FUSED_LAYERS:
+    if width is not None and len(parts) > width:
         raise InputError(
             f"the head fuses {len(parts)} distinct target layers {sorted(parts)}; {layout} builds its fc for exactly "
-            f"{RUNTIME_FUSED_LAYERS} and no exact conversion exists: train the head with 3 fused layers")
+            f"{width} and no exact conversion exists: train the head with {width} fused layers")
     blocks = {i: merged(same, layout) for i, same in parts.items()}
-    if len(blocks) < RUNTIME_FUSED_LAYERS:
+    if width is not None and len(blocks) < width:
         if "input_norm.weight" in state:
             raise InputError(f"norm_before_fc: the head's one RMSNorm spans its {len(c.fused_layer_ids)} fused states; "
                              f"{layout} fuses {RUNTIME_FUSED_LAYERS}, and a padding block would change that RMS: no "

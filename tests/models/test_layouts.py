@@ -3,6 +3,7 @@ import importlib.metadata
 import importlib.util
 import json
 import logging
+import time
 
 import pytest
 import torch
@@ -355,10 +356,10 @@ def _drafting_logits(head, target, steps=1):
     return [_in_target_ids(head, logits) for logits in out]
 
 
-def _saved_target(tmp_path, monkeypatch):
+def _saved_target(tmp_path, monkeypatch, arch="llama", num_layers=8):
     """A target whose folder speculators can load as the export's verifier (offline)."""
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    model = tiny_model("llama", num_layers=8)
+    model = tiny_model(arch, num_layers=num_layers)
     model.save_pretrained(tmp_path / "target")
     return Target(model, tiny_tokenizer(), str(tmp_path / "target"))
 
@@ -496,6 +497,471 @@ def test_eagle1_export_runs_in_eagle_llm(tmp_path):
     theirs = reference(feat, input_ids=IDS)
     ours = head(IDS, head.fuse(feat), torch.arange(7).expand(2, -1), logits=False).hidden
     torch.testing.assert_close(theirs, ours, rtol=1e-5, atol=1e-5)
+
+
+# ---- DFlash: speculators' `dflash` and z-lab's own layout ------------------------------------------------------
+DFLASH_IDS = torch.randint(4, 300, (2, 12), generator=torch.Generator().manual_seed(0))
+MASK = 300  # not the tokenizer's pad token, whose embedding is zero in the tiny targets (it would hide a wrong mask)
+needs_dflash = pytest.mark.skipif(importlib.util.find_spec("dflash") is None,
+                                  reason="z-lab's dflash 0.1.0 is not installed (.ci/run installs it)")
+
+
+def _dflash(target, **fields):
+    """A DFlash head with random weights: two layers, blocks of 4 (3 drafts), mask token MASK."""
+    return _head(target, "dflash", **{"num_layers": 2, "block_size": 4, "mask_token_id": MASK, **fields})
+
+
+def _dflash_drafts(head, target):
+    """The head's drafts [2, block_size - 1, V] after the rows of DFLASH_IDS, 12 and 9 tokens, through its cache."""
+    feat = target(DFLASH_IDS, layer_ids=head.reads(target.num_layers)).features
+    return head.propose(DFLASH_IDS, feat, torch.arange(12).expand(2, -1), [12, 9], head.new_cache(2, 32),
+                        head.draft_positions)
+
+
+def _dflash_drafts_after(head, target, row, n):
+    """The head's drafts [block_size - 1, V] for the block after the first n tokens of DFLASH_IDS[row]: the context
+    is the target's states at 0..n-1, the anchor token n (drafting's root)."""
+    ids = DFLASH_IDS[row:row + 1]
+    feat = target(ids, layer_ids=head.reads(target.num_layers)).features
+    return head.propose(ids[:, 1:n + 1], feat[:, :n], torch.arange(n)[None], [n], head.new_cache(1, 32),
+                        head.draft_positions)[0]
+
+
+DFLASH_ROUND_TRIPS = {  # (format, head fields): every DFlash head a layout holds, and every field it carries
+    "zlab": ("zlab", {}),
+    "zlab-window-attention-bias-three-layers": ("zlab", dict(sliding_window=5, attention_bias=True, num_layers=3)),
+    "speculators": ("speculators", {}),
+    "speculators-attention-bias-three-layers": ("speculators", dict(attention_bias=True, num_layers=3)),
+}
+
+
+@pytest.mark.parametrize("fmt,fields", DFLASH_ROUND_TRIPS.values(), ids=DFLASH_ROUND_TRIPS)
+def test_dflash_round_trip_through_foreign_layout(tmp_path, fmt, fields):
+    """The layouts hold the head as it is (its training settings, anchors to dpace_alpha, are not part of them);
+    back in eyas's layout it is the same head, weight for weight."""
+    target = tiny_target("qwen3", num_layers=6)  # default fused ids (2, 4) for two layers
+    head = _dflash(target, **fields)
+    _export(head, tmp_path, fmt, target, name=fmt)
+    foreign = load_head(tmp_path / fmt, target)
+    assert foreign.config == head.config
+    torch.testing.assert_close(_dflash_drafts(foreign, target), _dflash_drafts(head, target), rtol=0, atol=0)
+    export_head(tmp_path / fmt, tmp_path / "back", "eyas")
+    back = load_head(tmp_path / "back", target)
+    assert back.config == head.config
+    assert all(torch.equal(back.state_dict()[k], v) for k, v in head.state_dict().items())
+
+
+@pytest.mark.parametrize("fmt,offset", [("zlab", -1), ("speculators", 0)])
+@pytest.mark.parametrize("fused", [(5, 2, 4), (4, 2, 2)], ids=["unsorted", "repeated"])
+def test_dflash_fused_layers_are_written_once_each_in_layer_order(tmp_path, fmt, offset, fused):
+    """vLLM captures each fused layer once, in layer order, whatever order the config names them in: the export sorts
+    the fc's blocks with their ids and sums a repeated layer's, and the head read back drafts as the original."""
+    target = tiny_target("qwen3", num_layers=6)
+    head = _dflash(target, fused_layer_ids=fused)
+    folder = _export(head, tmp_path, fmt, target)
+    config = json.loads((folder / "config.json").read_text())
+    ids = config["dflash_config"]["target_layer_ids"] if fmt == "zlab" else config["aux_hidden_state_layer_ids"]
+    assert ids == [i + offset for i in sorted(set(fused))]
+    assert load_file(str(folder / "model.safetensors"))["fc.weight"].shape == (64, 64 * len(set(fused)))
+    again = load_head(folder, target)
+    assert again.config.fused_layer_ids == tuple(sorted(set(fused)))
+    torch.testing.assert_close(_dflash_drafts(again, target), _dflash_drafts(head, target), rtol=1e-5, atol=1e-5)
+
+
+def test_zlab_layout_fields_and_keys(tmp_path):
+    target = tiny_target("qwen3", num_layers=6)
+    head = _dflash(target, num_layers=3, sliding_window=5)
+    folder = _export(head, tmp_path, "zlab", target)
+    config = json.loads((folder / "config.json").read_text())
+    assert config["architectures"] == ["DFlashDraftModel"] and config["model_type"] == "qwen3"
+    assert (config["num_target_layers"], config["num_hidden_layers"], config["vocab_size"]) == (6, 3, 320)
+    # z-lab's ids are layer outputs: one less than eyas's layer-input ids (2, 3, 4)
+    assert config["dflash_config"] == {"mask_token_id": MASK, "target_layer_ids": [1, 2, 3], "block_size": 4}
+    assert (config["head_dim"], config["rope_theta"], config["rms_norm_eps"]) == (16, 10000.0, 1e-6)
+    assert (config["layer_types"], config["sliding_window"]) == (["sliding_attention"] * 3, 5)
+    assert config["use_sliding_window"] is True and config["is_causal"] is False  # both default sliding to causal
+    weights = load_file(str(folder / "model.safetensors"))
+    assert set(weights) == set(head.state_dict())  # the target's embedding and lm_head stay out
+    assert not any(k.startswith(("embed_tokens", "lm_head")) for k in weights)
+    # the CLI writes the same, the layer count from the head's recorded target
+    assert main(["export", str(tmp_path / "out-src"), "--out", str(tmp_path / "cli"), "--format", "zlab"]) == 0
+    assert json.loads((tmp_path / "cli" / "config.json").read_text()) == config
+
+
+def test_speculators_layout_holds_dflash_heads(tmp_path):
+    """DFlash as speculators' DFlashSpeculatorConfig and vLLM's update_dflash read it: its own field names, a Qwen3
+    decoder, block_size - 1 speculative tokens, sliding_window_non_causal true (vLLM makes every layer causal
+    otherwise), no embedding or lm_head in the file (speculators reloads both from the verifier)."""
+    target = tiny_target("qwen3", num_layers=6)
+    head = _dflash(target, num_layers=3, block_size=6)
+    folder = _export(head, tmp_path, "speculators", target)
+    config = json.loads((folder / "config.json").read_text())
+    assert (config["speculators_model_type"], config["architectures"]) == ("dflash", ["DFlashSpeculator"])
+    assert config["speculators_config"]["algorithm"] == "dflash"
+    assert config["speculators_config"]["proposal_methods"][0]["speculative_tokens"] == 5
+    assert (config["block_size"], config["mask_token_id"], config["draft_vocab_size"]) == (6, MASK, 320)
+    assert config["aux_hidden_state_layer_ids"] == [2, 3, 4] and "eagle_aux_hidden_state_layer_ids" not in config
+    assert (config["sample_from_anchor"], config["sliding_window_non_causal"]) == (False, True)
+    assert not any(k in config for k in ("norm_before_residual", "fc_norm", "norm_before_fc", "norm_output"))
+    layer = config["transformer_layer_config"]
+    assert (layer["model_type"], layer["num_hidden_layers"], layer["vocab_size"]) == ("qwen3", 3, 320)
+    weights = load_file(str(folder / "model.safetensors"))
+    assert set(weights) == set(head.state_dict())
+
+
+def test_dflash_exports_refuse_what_the_runtimes_would_compute_otherwise(tmp_path):
+    target = tiny_target("qwen3", num_layers=6)
+    with pytest.raises(ValueError, match="zlab layout holds dflash heads; this head is eagle3"):
+        _export(_head(target), tmp_path, "zlab", target, "eagle3")
+    for fmt in ("sglang", "eagle"):
+        with pytest.raises(ValueError, match="holds eagle[13] heads only"):
+            _export(_dflash(target), tmp_path, fmt, target, fmt)
+    with pytest.raises(ValueError, match="sliding window: speculators' DFlashDraftModel windows the context from each "
+                                         "block's anchor, vLLM 0.32 from each block position"):
+        _export(_dflash(target, sliding_window=5), tmp_path, "speculators", target, "window")
+    with pytest.raises(ValueError, match="block_size 4 is longer than the head's window 3"):
+        _export(_dflash(target, sliding_window=3), tmp_path, "zlab", target, "short-window")
+    with pytest.raises(ValueError, match="final \\*normed\\* state"):  # vLLM captures id N before the final norm
+        _export(_dflash(target, fused_layer_ids=(2, 6)), tmp_path, "zlab", target, "last")
+    imported = _export(_dflash(target), tmp_path, "speculators", target, "imported")  # records no layer count
+    with pytest.raises(ValueError, match="num_target_layers.*pass --target"):
+        export_head(imported, tmp_path / "x", "zlab")
+    export_head(imported, tmp_path / "x", "zlab", target)
+    assert not (tmp_path / "eagle3").exists() and not (tmp_path / "window").exists()
+
+
+def test_eyas_layout_holds_dflash_heads_whole(tmp_path):
+    """save_head / load_head keep a DFlash head as it is: every option (the training ones too), its window and
+    biases, every weight."""
+    target = tiny_target("qwen3", num_layers=6)
+    head = _dflash(target, num_layers=3, block_size=5, anchors=8, loss_weight="dpace", gamma=3.0, dpace_alpha=0.25,
+                   sliding_window=9, attention_bias=True, fused_layer_ids=(4, 1, 1))
+    save_head(head, tmp_path / "dflash")
+    again = load_head(tmp_path / "dflash", target)
+    assert again.config == head.config and again.config.target == head.config.target
+    assert set(again.state_dict()) == set(head.state_dict())
+    assert all(torch.equal(again.state_dict()[k], v) for k, v in head.state_dict().items())
+
+
+def _zlab_config(**over):
+    """A config.json as z-lab releases its DFlash heads (z-lab/Qwen3-8B-DFlash-b16, tiny sizes): a Qwen3Config with
+    block_size at the top level, as its earlier heads have it, and dflash_config."""
+    return {"architectures": ["DFlashDraftModel"], "attention_bias": False, "attention_dropout": 0.0,
+            "auto_map": {"AutoModel": "dflash.DFlashDraftModel"}, "block_size": 4, "bos_token_id": 2,
+            "dflash_config": {"mask_token_id": MASK, "target_layer_ids": [1, 3]}, "dtype": "bfloat16",
+            "eos_token_id": 3, "head_dim": 16, "hidden_act": "silu", "hidden_size": 64, "initializer_range": 0.02,
+            "intermediate_size": 128, "layer_types": ["full_attention", "full_attention"],
+            "max_position_embeddings": 512, "max_window_layers": 2, "model_type": "qwen3", "num_attention_heads": 4,
+            "num_hidden_layers": 2, "num_key_value_heads": 2, "num_target_layers": 6, "rms_norm_eps": 1e-06,
+            "rope_scaling": None, "rope_theta": 1000000, "sliding_window": None, "tie_word_embeddings": False,
+            "transformers_version": "4.57.1", "use_cache": True, "use_sliding_window": False, "vocab_size": 320,
+            **over}
+
+
+def _dflash_weights(num_layers=2, fused=2, seed=3):
+    """Random DFlash weights as z-lab and speculators name them (eyas's names), bf16 as released."""
+    g = torch.Generator().manual_seed(seed)
+    shapes = {"fc.weight": (64, 64 * fused), "hidden_norm.weight": (64,), "norm.weight": (64,)}
+    for i in range(num_layers):
+        shapes.update({f"layers.{i}.{k}": s for k, s in {
+            "self_attn.q_proj.weight": (64, 64), "self_attn.k_proj.weight": (32, 64),
+            "self_attn.v_proj.weight": (32, 64), "self_attn.o_proj.weight": (64, 64),
+            "self_attn.q_norm.weight": (16,), "self_attn.k_norm.weight": (16,), "input_layernorm.weight": (64,),
+            "post_attention_layernorm.weight": (64,), "mlp.gate_proj.weight": (128, 64),
+            "mlp.up_proj.weight": (128, 64), "mlp.down_proj.weight": (64, 128)}.items()})
+    return {k: (torch.randn(s, generator=g) * 0.1 + (1.0 if len(s) == 1 else 0.0)).to(torch.bfloat16)
+            for k, s in shapes.items()}
+
+
+def test_released_zlab_head_imports_as_trained(tmp_path):
+    """A z-lab release loads with its ids shifted (+1), its block size from the top level, its window of none; the
+    config's own rope_theta is kept (vLLM and transformers default it differently)."""
+    target = tiny_target("qwen3", num_layers=6)
+    folder = _write(tmp_path / "zlab", _zlab_config(), _dflash_weights())
+    head = load_head(folder, target)
+    c = head.config
+    assert (c.head_type, c.fused_layer_ids, c.num_layers, c.rope_theta, c.sliding_window) == ("dflash", (2, 4), 2,
+                                                                                                1e6, None)
+    assert (head.options.block_size, head.options.mask_token_id, c.target.num_hidden_layers) == (4, MASK, 6)
+    no_ids = _zlab_config(dflash_config={"mask_token_id": MASK}, num_target_layers=10)
+    # no ids: z-lab's build_target_layer_ids(10, 2), [1, 7]
+    assert load_head(_write(tmp_path / "no-ids", no_ids, _dflash_weights())).config.fused_layer_ids == (2, 8)
+
+
+ZLAB_REFUSED = {  # config change -> what the refusal names
+    "sample-from-anchor": (dict(dflash_config={"mask_token_id": MASK, "target_layer_ids": [1, 3],
+                                               "sample_from_anchor": True}), "sample_from_anchor True"),
+    "input-embedding-scale": (dict(input_embedding_scale=8.0), "input_embedding_scale 8.0"),
+    "output-multiplier": (dict(output_multiplier=0.5), "output_multiplier 0.5"),
+    "softcapping": (dict(final_logit_softcapping=30.0), "final_logit_softcapping 30.0"),
+    "dflash2": (dict(architectures=["DFlash2DraftModel"], conv_kernel_size=4), "DFlash2 head \\(conv_kernel_size\\)"),
+    "causal": (dict(is_causal=True), "attends causally in z-lab's reading"),
+    "causal-vllm": (dict(dflash_config={"mask_token_id": MASK, "target_layer_ids": [1, 3], "causal": True}),
+                    "attends causally in vLLM's reading"),
+    "sliding-default-causal": (dict(layer_types=["sliding_attention"] * 2, sliding_window=8, use_sliding_window=True),
+                               "attends causally in z-lab's reading"),
+    "mixed-windows": (dict(layer_types=["sliding_attention", "full_attention"], sliding_window=8,
+                           use_sliding_window=True, is_causal=False), "mixes attention kinds"),
+    "window-shorter-than-block": (dict(layer_types=["sliding_attention"] * 2, sliding_window=3,
+                                       use_sliding_window=True, is_causal=False), "block_size 4 is longer"),
+    "rope-scaling": (dict(rope_scaling={"rope_type": "linear", "factor": 2.0}), "rope scaling"),
+    "no-rope-theta": (dict(rope_theta=None), "rope_theta is missing"),
+    "no-mask-token": (dict(dflash_config={"target_layer_ids": [1, 3]}), "mask_token_id is missing"),
+    "no-layers": (dict(dflash_config={"mask_token_id": MASK}, num_target_layers=None),
+                  "neither target_layer_ids nor num_target_layers"),
+    "mlp-bias": (dict(mlp_bias=True), "mlp_bias"),
+    "swa": (dict(dflash_config={"mask_token_id": MASK, "target_layer_ids": [1, 3], "use_swa": True}), "use_swa"),
+}
+
+
+@pytest.mark.parametrize("change,refusal", ZLAB_REFUSED.values(), ids=ZLAB_REFUSED)
+def test_zlab_heads_eyas_cannot_run_are_refused_naming_the_field(tmp_path, change, refusal):
+    config = {k: v for k, v in _zlab_config(**change).items() if v is not None}
+    with pytest.raises(ValueError, match=refusal):
+        load_head(_write(tmp_path / "h", config, _dflash_weights()))
+
+
+def test_zlab_mask_embedding_file_is_refused(tmp_path):
+    """vLLM embeds the mask token with a shipped mask_embedding.pt; eyas's head reads the target's embedding."""
+    folder = _write(tmp_path / "h", _zlab_config(), _dflash_weights())
+    torch.save(torch.zeros(64), folder / "mask_embedding.pt")
+    with pytest.raises(ValueError, match="mask_embedding.pt"):
+        load_head(folder)
+
+
+def _speculators_dflash_config(**over):
+    """A config.json as speculators 0.9.0 writes a DFlash head (DFlashSpeculatorConfig, its defaults included; its
+    save_pretrained names the model class, z-lab's name too, among the architectures)."""
+    layer = {k: v for k, v in _zlab_config().items() if k not in (
+        "architectures", "auto_map", "block_size", "dflash_config", "num_target_layers", "dtype")}
+    return {"architectures": ["DFlashDraftModel"], "aux_hidden_state_layer_ids": [2, 4], "block_size": 4,
+            "draft_vocab_size": 320, "mask_token_id": MASK, "sample_from_anchor": False,
+            "sliding_window_non_causal": False, "speculators_config": {
+                "algorithm": "dflash", "default_proposal_method": "greedy",
+                "proposal_methods": [{"accept_tolerance": 0.0, "proposal_type": "greedy", "speculative_tokens": 3,
+                                      "verifier_accept_k": 1}],
+                "verifier": {"architectures": ["Qwen3ForCausalLM"], "name_or_path": "Qwen/Qwen3-8B"}},
+            "speculators_model_type": "dflash", "speculators_version": "0.9.0", "target_hidden_size": None,
+            "torch_dtype": "bfloat16", "transformer_layer_config": layer, **over}
+
+
+SPECULATORS_DFLASH_REFUSED = {
+    "sample-from-anchor": (dict(sample_from_anchor=True), "sample_from_anchor True"),
+    "reduced-vocab": (dict(draft_vocab_size=100), "draft_vocab_size must equal vocab_size"),
+    "window": (dict(transformer_layer_config={**_speculators_dflash_config()["transformer_layer_config"],
+                                              "layer_types": ["sliding_attention"] * 2, "sliding_window": 8,
+                                              "use_sliding_window": True}), "sliding window"),
+    "no-aux-ids": (dict(aux_hidden_state_layer_ids=None), "aux_hidden_state_layer_ids is missing"),
+    "no-block-size": (dict(block_size=None), "block_size is missing \\(speculators defaults it to 8"),
+    "llama-layers": (dict(transformer_layer_config={**_speculators_dflash_config()["transformer_layer_config"],
+                                                    "model_type": "llama"}), "'llama' is not supported for dflash"),
+    "dflash2": (dict(speculators_model_type="dflash2"), "'dflash2' is not supported"),
+}
+
+
+def test_released_speculators_dflash_head_imports(tmp_path):
+    """As speculators writes it: sliding_window_non_causal false (its default; with no sliding layer speculators
+    attends both ways within the block, as eyas does), the verifier named, no embedding or lm_head."""
+    target = tiny_target("qwen3", num_layers=6)
+    head = load_head(_write(tmp_path / "h", _speculators_dflash_config(), _dflash_weights()), target)
+    c = head.config
+    assert (c.head_type, c.fused_layer_ids, c.rope_theta, head.options.block_size) == ("dflash", (2, 4), 1e6, 4)
+    assert c.target.name_or_path == "Qwen/Qwen3-8B"
+
+
+@pytest.mark.parametrize("change,refusal", SPECULATORS_DFLASH_REFUSED.values(), ids=SPECULATORS_DFLASH_REFUSED)
+def test_speculators_dflash_heads_eyas_cannot_run_are_refused_naming_the_field(tmp_path, change, refusal):
+    config = {k: v for k, v in _speculators_dflash_config(**change).items() if v is not None}
+    with pytest.raises(ValueError, match=refusal):
+        load_head(_write(tmp_path / "h", config, _dflash_weights()))
+
+
+# DFlash heads whose exports the reference code must draft as eyas does: plain, with a window and biases, with fused
+# ids the export sorts and merges
+DFLASH_HEADS = {
+    "plain": dict(),
+    "three-layers-attention-bias": dict(num_layers=3, attention_bias=True),
+    "unsorted-repeated-ids": dict(fused_layer_ids=(4, 1, 1)),
+}
+ZLAB_HEADS = {**DFLASH_HEADS, "window": dict(sliding_window=5, num_layers=3)}
+
+
+def _zlab_drafts(model, target, row, n):
+    """z-lab's drafts [block_size - 1, V] after the first n tokens of DFLASH_IDS[row], computed as dflash_generate
+    drafts: the context features it extracts, the raw embeddings of [anchor, masks], the target's output head."""
+    from dflash import model as zlab
+
+    ids = DFLASH_IDS[row:row + 1]
+    context = zlab.extract_context_feature(target.model(ids, output_hidden_states=True).hidden_states,
+                                           model.target_layer_ids)
+    block = torch.full((1, model.block_size), model.mask_token_id)
+    block[0, 0] = ids[0, n]
+    hidden = model(position_ids=torch.arange(n + model.block_size)[None], target_hidden=context[:, :n],
+                   noise_embedding=zlab._raw_input_embeddings(target.model, block))
+    return model.compute_logits(hidden[:, 1:], zlab._output_head(target.model))[0]
+
+
+@needs_dflash
+@pytest.mark.parametrize("fields", ZLAB_HEADS.values(), ids=ZLAB_HEADS)
+def test_zlab_library_computes_the_exported_heads_drafts(tmp_path, fields):
+    """z-lab's own DFlashDraftModel (dflash 0.1.0) loads the zlab export and drafts, after every context of both
+    rows, what eyas's head drafts (fp32; the two implementations round apart by ~1e-7)."""
+    from dflash.model import DFlashDraftModel
+
+    target = tiny_target("qwen3", num_layers=6)
+    head = _dflash(target, **fields)
+    theirs = DFlashDraftModel.from_pretrained(str(_export(head, tmp_path, "zlab", target))).eval()
+    with torch.no_grad():
+        for row in range(2):
+            for n in range(1, 12):
+                torch.testing.assert_close(_zlab_drafts(theirs, target, row, n),
+                                           _dflash_drafts_after(head, target, row, n), rtol=1e-5, atol=1e-5)
+
+
+@needs_dflash
+def test_released_zlab_head_drafts_in_eyas_as_in_zlab(tmp_path):
+    """A z-lab release (bf16, block_size at the top level, rope_theta 1e6) drafts in eyas as in z-lab's code."""
+    from dflash.model import DFlashDraftModel
+
+    target = tiny_target("qwen3", num_layers=6)
+    folder = _write(tmp_path / "zlab", _zlab_config(), _dflash_weights())
+    theirs = DFlashDraftModel.from_pretrained(str(folder), dtype=torch.float32).eval()
+    head = load_head(folder, target)
+    with torch.no_grad():
+        for n in range(1, 12):
+            torch.testing.assert_close(_zlab_drafts(theirs, target, 0, n), _dflash_drafts_after(head, target, 0, n),
+                                       rtol=1e-5, atol=1e-5)
+
+
+def _walker_target(chain, mask):
+    """A Qwen3 target whose greedy next token is a chosen function of the current one: chain[i] -> chain[i + 1], the
+    last -> itself, the mask token -> the last, any other -> itself. Its lm_head row v sums the normed embeddings of
+    the tokens mapped to v, and its layers are damped (x0.1) so the final state stays close to the current token's
+    embedding while every layer still contributes. A head whose layers are damped too drafts the chain's end at
+    every masked position: rejected along the chain, all accepted once it is reached."""
+    target = tiny_target("qwen3", num_layers=6)
+    model = target.model
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight.mul_(0.1)
+            layer.mlp.down_proj.weight.mul_(0.1)
+        emb = model.model.embed_tokens.weight
+        normed = emb * torch.rsqrt(emb.pow(2).mean(-1, keepdim=True) + 1e-6)
+        step = torch.arange(emb.shape[0])
+        step[torch.tensor(chain[:-1])] = torch.tensor(chain[1:])
+        step[mask] = chain[-1]
+        model.lm_head.weight.copy_(torch.zeros_like(emb).index_add_(0, step, normed))
+    return target
+
+
+@needs_dflash
+def test_zlab_generate_and_eyas_decode_alike_cycle_by_cycle(tmp_path, monkeypatch):
+    """z-lab's dflash_generate (greedy) with the zlab export and eyas's SpeculativeGenerator with the head, as a
+    chain of block_size - 1 drafts: the same tokens, and per verify cycle the same tokens gained (z-lab caps the last
+    cycle at the length asked for; eyas counts what the cycle gained)."""
+    from dflash import model as zlab
+
+    from eyas.inference.drafter import TreeOptions
+    from eyas.inference.generator import SpeculativeGenerator
+
+    monkeypatch.setattr(zlab, "_cuda_time", time.perf_counter)  # its stats time with torch.cuda.synchronize
+    chain, prompt, new = [40, 41, 42, 43, 44, 45, 46, 47], [5, 6, 7, 40], 20
+    target = _walker_target(chain, MASK)
+    head = _dflash(target)
+    with torch.no_grad():  # small layer outputs: the masked positions draft what the mask token maps to
+        for name, p in head.named_parameters():
+            if name.endswith(("o_proj.weight", "down_proj.weight")):
+                p.mul_(0.01)
+    theirs = zlab.dflash_generate(zlab.DFlashDraftModel.from_pretrained(str(_export(head, tmp_path, "zlab", target))),
+                                  target.model, torch.tensor([prompt]), new, None, return_stats=True)
+    ours = SpeculativeGenerator(target, head, TreeOptions(kind="chain", depth=head.draft_positions, lookup=0)
+                                ).generate(prompt, max_new_tokens=new, temperature=0.0, eos_token_id=[])
+    assert ours.tokens == theirs.output_ids[0, len(prompt):].tolist() == chain[1:] + [chain[-1]] * (new - 7)
+    left, gained = new - ours.stats.prefill_tokens, []
+    for n in ours.stats.accepted:
+        gained.append(min(n, left))
+        left -= gained[-1]
+    assert gained == theirs.acceptance_lengths
+    assert 1 in gained and head.options.block_size in gained  # rejected drafts and whole blocks accepted alike
+
+
+def _speculators_dflash_drafts(folder, target, monkeypatch):
+    """speculators' own DFlashDraftModel, loading `folder` (embedding and lm_head from the verifier it names), drafting
+    with its training forward at every anchor a with a whole block in each row of DFLASH_IDS (instead of a random
+    sample): per row [anchors, block_size, V], and the anchors."""
+    from speculators.losses import resolve_loss_config
+    from speculators.models.dflash import DFlashDraftModel, core
+
+    config = json.loads((folder / "config.json").read_text())
+    size, t = config["block_size"], DFLASH_IDS.shape[1]
+    anchors = torch.arange(1, t - size + 1)
+    monkeypatch.setattr(core, "select_anchors", lambda *args: (anchors, torch.ones(len(anchors), dtype=torch.bool)))
+    theirs = _speculators_model(DFlashDraftModel, folder)
+    states = target.model(DFLASH_IDS, output_hidden_states=True).hidden_states
+    aux = torch.cat([states[i] for i in config["aux_hidden_state_layer_ids"]], dim=-1)  # what vLLM captures
+    drafts = []
+    theirs.lm_head.register_forward_hook(lambda module, args, out: drafts.append(out[0].view(len(anchors), size, -1)))
+    with torch.no_grad():
+        for row in range(2):  # the loss needs verifier states: any will do, only the logits are compared
+            theirs(aux[row:row + 1], DFLASH_IDS[row:row + 1], loss_mask=torch.ones(1, t),
+                   verifier_last_hidden_states=torch.zeros(1, t, 64),
+                   document_ids=torch.zeros(1, t, dtype=torch.long), max_anchors=len(anchors),
+                   loss_config=resolve_loss_config("kl_div", "eager"))  # the fused loss needs Triton
+    return drafts, anchors.tolist()
+
+
+def _check_speculators_dflash(folder, target, head, monkeypatch):
+    """Block position j of anchor a, in speculators, is what eyas's head drafts j tokens after the context 0..a-1."""
+    drafts, anchors = _speculators_dflash_drafts(folder, target, monkeypatch)
+    with torch.no_grad():
+        for row in range(2):
+            for j, a in enumerate(anchors):
+                torch.testing.assert_close(drafts[row][j, 1:], _dflash_drafts_after(head, target, row, a),
+                                           rtol=1e-5, atol=1e-5)
+
+
+@needs_speculators
+@pytest.mark.parametrize("fields", DFLASH_HEADS.values(), ids=DFLASH_HEADS)
+def test_speculators_library_computes_the_exported_dflash_heads_drafts(tmp_path, monkeypatch, fields):
+    """speculators 0.9.0's DFlashDraftModel drafts with the speculators export what eyas's head drafts (fp32; the
+    two implementations round apart by ~5e-7)."""
+    target = _saved_target(tmp_path, monkeypatch, "qwen3", num_layers=6)
+    head = _dflash(target, **fields)
+    _check_speculators_dflash(_export(head, tmp_path, "speculators", target), target, head, monkeypatch)
+
+
+@needs_speculators
+def test_speculators_written_dflash_head_drafts_in_eyas_as_in_speculators(tmp_path, monkeypatch):
+    """A DFlash head as the speculators library itself builds and saves it (DFlashSpeculatorConfig with its defaults,
+    sliding_window_non_causal false among them; rope_theta 1e6; save_pretrained leaves out the verifier's weights)
+    loads in eyas and drafts as in speculators."""
+    from speculators.config import SpeculatorsConfig, VerifierConfig
+    from speculators.models.dflash import DFlashDraftModel, DFlashSpeculatorConfig
+    from speculators.proposals.greedy import GreedyTokenProposalConfig
+    from transformers import Qwen3Config
+
+    target = _saved_target(tmp_path, monkeypatch, "qwen3", num_layers=6)
+    layer = Qwen3Config(**{k: v for k, v in _zlab_config().items() if k in (
+        "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim", "vocab_size",
+        "num_hidden_layers", "rms_norm_eps", "rope_theta", "max_position_embeddings")})
+    config = DFlashSpeculatorConfig(
+        transformer_layer_config=layer, draft_vocab_size=320, block_size=4, aux_hidden_state_layer_ids=[2, 4],
+        mask_token_id=MASK, speculators_config=SpeculatorsConfig(
+            algorithm="dflash", proposal_methods=[GreedyTokenProposalConfig(speculative_tokens=3)],
+            default_proposal_method="greedy",
+            verifier=VerifierConfig(name_or_path=target.name_or_path, architectures=["Qwen3ForCausalLM"])))
+    model = DFlashDraftModel(config)
+    with torch.no_grad():  # the head's own weights random, norms included; the verifier's from the target
+        for name, p in model.named_parameters():
+            if not name.startswith(("embed_tokens", "lm_head", "verifier_")):
+                p.copy_(torch.randn_like(p) * 0.1 + (1.0 if p.ndim == 1 else 0.0))
+    model.load_verifier_weights()
+    model.save_pretrained(tmp_path / "released")
+    written = json.loads((tmp_path / "released" / "config.json").read_text())
+    assert written["sliding_window_non_causal"] is False and written["speculators_model_type"] == "dflash"
+    head = load_head(tmp_path / "released", target)
+    assert (head.config.fused_layer_ids, head.config.rope_theta, head.options.block_size) == ((2, 4), 1e6, 4)
+    _check_speculators_dflash(tmp_path / "released", target, head, monkeypatch)
 
 
 # ---- released layouts import as they were trained ----------------------------------------------------------------
@@ -747,7 +1213,7 @@ def test_export_refusals_are_clear_and_write_nothing(tmp_path, capsys):
     save_head(_head(target, num_layers=2), tmp_path / "deep")
     assert main(["export", str(tmp_path / "e1"), "--out", str(tmp_path / "x"), "--format", "sglang"]) == 2
     assert "holds eagle3 heads only" in capsys.readouterr().err
-    with pytest.raises(ValueError, match="holds eagle3 and peagle heads; this head is eagle1"):
+    with pytest.raises(ValueError, match="holds eagle3, peagle, dflash heads; this head is eagle1"):
         export_head(tmp_path / "e1", tmp_path / "x", "speculators")
     with pytest.raises(ValueError, match="holds eagle1 heads only"):
         export_head(tmp_path / "deep", tmp_path / "x", "eagle", target)
