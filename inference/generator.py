@@ -296,7 +296,7 @@ class SpeculativeGenerator:
         if plan is None or plan.draft:
             candidates = batch.drafter.draft(batch.catch_up(), keep_going=plan.keep_drafting if plan else None)
             t_draft = watch.mark()
-            tree = candidates.chain() if chains_only else self._select(candidates, plan)
+            tree = self._select(candidates, plan, chains_only)
         else:  # drafting does not pay at the moment: verify the root alone, the head skips this cycle
             tree = DraftTree.root_only(batch.root)
         chains, ngrams = self._lookup(tree.size - 1, batch.ngrams, plan, lookup)
@@ -356,8 +356,14 @@ class SpeculativeGenerator:
             logits = penalized(logits, tree, ancestors, seen, s.repetition_penalty)
         return self.verifier(logits, tree, s, gen)
 
-    def _select(self, candidates: Candidates, plan: CyclePlan | None) -> DraftTree:
-        """Which candidates the target verifies: the plan's count, the fixed total_tokens, or a static tree."""
+    def _select(self, candidates: Candidates, plan: CyclePlan | None, chains_only: bool) -> DraftTree:
+        """Which candidates the target verifies: the plan's count, the fixed total_tokens, or a static tree; on a
+        target that verifies chains only, the best path (as long as the plan finds it pays)."""
+        if chains_only:
+            chain = candidates.chain()
+            if plan is None:
+                return chain
+            return chain.prefix(plan.choose(chain.scores[:, 1:], candidates.forwards))
         if plan is not None:
             return candidates.best(plan.choose(candidates.scores, candidates.forwards))
         if self.options.kind == "dynamic" and self._custom_drafter is None:

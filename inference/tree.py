@@ -48,6 +48,13 @@ class DraftTree:
         zero = torch.zeros_like(root)[:, None]
         return cls(tokens=root[:, None], parents=zero - 1, depth=zero, scores=zero.float(), height=0, chain=True)
 
+    def prefix(self, n: int) -> "DraftTree":
+        """The root and the first n draft nodes of a chain (a chain's first nodes are a path)."""
+        keep = slice(0, n + 1)
+        height = None if self.height is None else min(self.height, n)
+        return DraftTree(self.tokens[:, keep], self.parents[:, keep], self.depth[:, keep], self.scores[:, keep],
+                         height=height, chain=True)
+
     def ancestors(self) -> torch.Tensor:
         """[B, N, N] bool: node j is node i itself or one of its ancestors."""
         return ancestor_mask(self.parents, self.max_depth)

@@ -127,7 +127,7 @@ class DraftHead(nn.Module):
 
     algorithm: ClassVar[Algorithm]
 
-    def __new__(cls, config: HeadConfig, target: "Target | None" = None):
+    def __new__(cls, config: HeadConfig, *args, **kwargs):
         if cls is DraftHead:
             from . import algorithm
 

@@ -129,6 +129,11 @@ def export_head(source: str | Path, out: str | Path, format: str = "eyas", targe
     folder = head_folder(Path(source))
     head = load_head(folder, target)
     head.to(stored_dtype(folder))
+    scale = getattr(target.embed_tokens, "embed_scale", None) if target is not None else None
+    if format != "eyas" and scale is not None and float(scale) != 1.0:
+        raise InputError(f"target {target.name_or_path!r} scales its token embedding (embed_scale {float(scale):g}); "
+                         f"the head reads the scaled embedding, while runtimes feed drafters the raw table: {format} "
+                         "would draft differently from the head; keep it in the eyas format")
     with atomic_folder(out, HEAD_FILES, force) as tmp:
         LAYOUTS[format].write(head, tmp, target)
     return Path(out)

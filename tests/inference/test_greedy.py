@@ -9,6 +9,7 @@ from eyas.inference.bench import plain_decode
 from eyas.inference.costs import CostModel
 from eyas.inference.drafting import TreeDrafter
 from eyas.inference.planner import Planner
+from eyas.models.drafters import NAMES
 from eyas.models.masks import causal
 from eyas.models.sampling import Sampling
 from tests.helpers.inference import (
@@ -27,7 +28,7 @@ from tests.helpers.tiny import FIXTURES, tiny_target
 DRAFTING = TreeOptions(total_tokens=8)
 
 
-@pytest.mark.parametrize("head_type", ["eagle1", "eagle3"])
+@pytest.mark.parametrize("head_type", NAMES)  # every drafter algorithm
 @pytest.mark.parametrize("arch,tied", FIXTURES)
 def test_greedy_matches_target_generate(arch, tied, head_type):
     target = tiny_target(arch, tied)

@@ -2,6 +2,8 @@
 sampling setting, on every family whose CausalLM post-processes its logits, and with the settings the model's
 generation_config holds when the caller sets none. Each test has a control that the same test must catch."""
 
+import functools
+
 import pytest
 import torch
 from transformers import GenerationConfig, RepetitionPenaltyLogitsProcessor
@@ -10,6 +12,7 @@ from eyas.inference import SpeculativeGenerator, TreeOptions
 from eyas.inference.acceptance import penalized
 from eyas.inference.tree import DraftTree
 from eyas.models import DraftHead, head_config_for
+from eyas.models.drafters import NAMES
 from eyas.models.sampling import Sampling
 from eyas.models.sampling import distribution as target_distribution
 from tests.helpers.families import FAMILIES, POST_PROCESSING, family_target
@@ -22,13 +25,13 @@ SETTINGS = [Sampling(1.0), Sampling(1.0, top_k=6), Sampling(0.8, top_p=0.7), Sam
             Sampling(1.0, repetition_penalty=1.5)]
 
 
-def _setup():
+def _setup(head_type: str = "eagle3"):
     target = tiny_target("llama", vocab_size=VOCAB)
     with torch.no_grad():
         target.lm_head.weight.mul_(3)
     target.model.generation_config.eos_token_id = None
     torch.manual_seed(0)
-    head = DraftHead(head_config_for(target, "eagle3"), target)
+    head = DraftHead(head_config_for(target, head_type), target)
     return target, head
 
 
@@ -87,18 +90,28 @@ def min_p_value(a: torch.Tensor, b: torch.Tensor, vocab: int = VOCAB) -> float:
 TREE = TreeOptions(total_tokens=12, top_k=5, depth=3)
 
 
-@pytest.mark.parametrize("s", SETTINGS, ids=["t1", "t1-topk6", "t0.8-topp0.7", "t1-minp0.15", "t1-penalty1.5"])
-def test_speculative_sampling_matches_generate(s):
-    target, head = _setup()
-    spec = speculative_samples(target, head, 1500, 3, 1, TREE, **settings_of(s))
-    assert min_p_value(spec, generate_samples(target.model, 1500, 3, 2, **as_generate_kwargs(s))) > 1e-3
+@functools.lru_cache(maxsize=None)
+def reference_samples(setting: int) -> torch.Tensor:
+    """The model's own `generate` samples under SETTINGS[setting] (the target is the same for every head)."""
+    target, _ = _setup()
+    return generate_samples(target.model, 1500, 3, 2, **as_generate_kwargs(SETTINGS[setting]))
 
 
-def test_biased_verifier_is_detected():
-    target, head = _setup()
-    s = SETTINGS[0]
-    biased = speculative_samples(target, head, 1500, 3, 1, TREE, verifier=always_accept_first_child, **settings_of(s))
-    assert min_p_value(biased, generate_samples(target.model, 1500, 3, 2, **as_generate_kwargs(s))) < 1e-6
+@pytest.mark.parametrize("head_type", NAMES)  # every drafter algorithm
+@pytest.mark.parametrize("setting", range(len(SETTINGS)), ids=["t1", "t1-topk6", "t0.8-topp0.7", "t1-minp0.15",
+                                                               "t1-penalty1.5"])
+def test_speculative_sampling_matches_generate(setting, head_type):
+    target, head = _setup(head_type)
+    spec = speculative_samples(target, head, 1500, 3, 1, TREE, **settings_of(SETTINGS[setting]))
+    assert min_p_value(spec, reference_samples(setting)) > 1e-3
+
+
+@pytest.mark.parametrize("head_type", NAMES)
+def test_biased_verifier_is_detected(head_type):
+    target, head = _setup(head_type)
+    biased = speculative_samples(target, head, 1500, 3, 1, TREE, verifier=always_accept_first_child,
+                                 **settings_of(SETTINGS[0]))
+    assert min_p_value(biased, reference_samples(0)) < 1e-6
 
 
 # ---- families whose CausalLM post-processes its logits --------------------------------------------------------

@@ -13,6 +13,7 @@ from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRMS
 
 from eyas.inference.cli import main
 from eyas.models import DraftHead, Target, load_head, save_head
+from eyas.models.errors import InputError
 from eyas.models.head_config import head_config_for
 from eyas.models.layouts import export_head
 from eyas.models.layouts.speculators import SPECULATORS_VERSION
@@ -1289,3 +1290,18 @@ def test_foreign_load_errors_name_the_problem(tmp_path):
     _write(tmp_path / "medusa", _redhat_config(speculators_model_type="medusa"), spec_weights)
     with pytest.raises(ValueError, match="medusa"):
         load_head(tmp_path / "medusa", target)
+
+
+def test_a_head_on_a_target_that_scales_its_embedding_stays_in_the_eyas_format(tmp_path):
+    """Gemma 3 scales its token embedding inside the embedding module: eyas's head reads the scaled rows, runtimes
+    feed drafters the raw table, so a foreign export would draft differently: refused, naming why."""
+    from tests.helpers.families import family_target
+
+    target = family_target("gemma3")
+    assert float(target.embed_tokens.embed_scale) != 1.0
+    head = DraftHead(head_config_for(target, "eagle3"), target)
+    save_head(head, tmp_path / "eyas")
+    with pytest.raises(InputError, match="scales its token embedding"):
+        export_head(tmp_path / "eyas", tmp_path / "out", "speculators", target)
+    assert not (tmp_path / "out").exists()
+    export_head(tmp_path / "eyas", tmp_path / "again", "eyas", target)  # its own format holds it
