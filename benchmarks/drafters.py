@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from eyas.inference.bench import run_bench
-from eyas.models.loading import native_bf16
+from eyas.models.cpu_kernels import native_bf16
 from eyas.train.config import load_config
 from eyas.train.trainer import run
 

@@ -8,8 +8,10 @@ make that cost far more than one token although the weights and the cache are re
 A batch of sequences of different lengths (regeneration's slots) pays a third: every row's attention
 reads the cache up to the longest row. Rows are attended in groups, each over only the columns some
 row of it can see (`ragged_spans`, `cpu_attention(need=...)`).
-All take effect only for the duration of a Target forward and only where they apply (CPU, fp32 for
-the linears, the model's attention going through transformers' "sdpa" entry); anywhere else the
+In bf16 a CPU with native bf16 instructions (AMX, AVX512-BF16) runs F.linear's one-row product without them,
+slower than fp32 although it reads half the bytes; a oneDNN-prepacked bf16 copy uses them at every row count.
+All take effect only for the duration of a Target forward and only where they apply (CPU, fp32 or natively
+computed bf16 for the linears, the model's attention going through transformers' "sdpa" entry); anywhere else the
 model's own code runs, so every target still works unmodified. The model's configuration is never
 touched: models that branch on `config._attn_implementation` keep their own code path.
 """
@@ -26,6 +28,17 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+
+@functools.cache
+def native_bf16() -> str | None:
+    """The instructions this CPU multiplies bf16 matrices with ("AMX-BF16", "AVX512-BF16"), None where it has none
+    (AVX2-only CPUs emulate bf16 through fp32, slower than fp32 itself)."""
+    capabilities = torch.cpu.get_capabilities() if hasattr(torch.cpu, "get_capabilities") else {}
+    for flag, name in (("amx_bf16", "AMX-BF16"), ("avx512_bf16", "AVX512-BF16")):
+        if capabilities.get(flag):
+            return name
+    return None
 
 
 class CpuLinear:
@@ -57,7 +70,8 @@ class CpuLinear:
         w = getattr(m, "weight", None)
         # Sharded weights (DeepSpeed ZeRO-3, FSDP2) are only whole inside the module's own call.
         return (type(m) is nn.Linear and w is not None and w.device.type == "cpu"
-                and w.dtype == torch.float32 and torch.backends.mkldnn.is_available()
+                and (w.dtype == torch.float32 or (w.dtype == torch.bfloat16 and native_bf16() is not None))
+                and torch.backends.mkldnn.is_available()
                 and type(w.data) is torch.Tensor and not hasattr(w, "ds_id")
                 # hooks (accelerate offloading, user hooks) expect the module to be called
                 and not (m._forward_hooks or m._forward_pre_hooks or "forward" in vars(m)))
@@ -67,18 +81,19 @@ class CpuLinear:
         w = self.module.weight
         key = (w.data_ptr(), w._version, w.shape)
         if key != self._key:
-            self.weight_t = w.detach().t().contiguous() if self.row_copy else None
+            self.weight_t = w.detach().t().contiguous() if self.row_copy and w.dtype == torch.float32 else None
             self.packed = torch.ops.mkldnn._reorder_linear_weight(w.detach(), None)
             self._key = key
 
     def kernel(self, rows: int):
         """eyas's product for an input of `rows` rows (x -> y, a drop-in for the module's forward), or None
-        where the module itself is best or must run: prepacked for several rows, the [in, out] copy for
-        one row of a row_copy layer; otherwise F.linear's GEMV."""
-        if not ((rows > 1 or self.row_copy) and self.applies()):
+        where the module itself is best or must run: prepacked for several rows (bf16: for any), the [in, out]
+        copy for one row of an fp32 row_copy layer; otherwise F.linear's GEMV."""
+        bf16 = self.module.weight.dtype == torch.bfloat16
+        if not ((rows > 1 or self.row_copy or bf16) and self.applies()):
             return None
         self.prepare()
-        if rows > 1:
+        if rows > 1 or bf16:
             return functools.partial(_packed_linear, packed=self.packed, bias=self.module.bias)
         return functools.partial(_row_product, weight_t=self.weight_t, bias=self.module.bias)
 

@@ -28,6 +28,7 @@ from typing import Any
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
+from .cpu_kernels import native_bf16
 from .errors import InputError, MissingInput, Unsupported, brief
 
 logger = logging.getLogger(__name__)
@@ -186,16 +187,6 @@ def resolve_device(device: str | torch.device | None) -> str:
     if kind == "cuda" and not torch.cuda.is_available():
         raise InputError(f"device {device!r} was asked for but torch sees no CUDA GPU; use --device cpu")
     return device
-
-
-def native_bf16() -> str | None:
-    """The instructions this CPU multiplies bf16 matrices with ("AMX-BF16", "AVX512-BF16"), None where it has none
-    (AVX2-only CPUs emulate bf16 through fp32, slower than fp32 itself)."""
-    capabilities = torch.cpu.get_capabilities() if hasattr(torch.cpu, "get_capabilities") else {}
-    for flag, name in (("amx_bf16", "AMX-BF16"), ("avx512_bf16", "AVX512-BF16")):
-        if capabilities.get(flag):
-            return name
-    return None
 
 
 def default_dtype(device: str | torch.device) -> str:

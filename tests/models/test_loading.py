@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from eyas.models import Target
+from eyas.models.cpu_kernels import native_bf16
 from eyas.models.errors import InputError
 from eyas.models.loading import default_dtype, dtype_note, placement
 from tests.helpers.tiny import tiny_model, tiny_tokenizer
@@ -16,8 +17,10 @@ AMX = {"avx2": True, "avx512_f": True, "avx512_bf16": True, "amx_bf16": True}
 
 @pytest.mark.parametrize("cpu, native", [(AVX2_ONLY, None), (AMX, "AMX-BF16"),
                                          ({**AVX2_ONLY, "avx512_bf16": True}, "AVX512-BF16")])
-def test_dtype_follows_the_device_and_what_its_cpu_computes_natively(monkeypatch, cpu, native):
+def test_dtype_follows_the_device_and_what_its_cpu_computes_natively(monkeypatch, request, cpu, native):
     monkeypatch.setattr(torch.cpu, "get_capabilities", lambda: cpu)
+    native_bf16.cache_clear()  # read once per process; this test plays other CPUs
+    request.addfinalizer(native_bf16.cache_clear)
     cpu_dtype = "bf16" if native else "fp32"
     assert default_dtype("cuda") == default_dtype("cuda:1") == "bf16" and default_dtype("cpu") == cpu_dtype
     device, dtype = placement(None, "auto")

@@ -123,11 +123,24 @@ def test_logit_projection_runs_the_module_when_it_is_hooked():
     assert calls == [(1, 2, target.hidden_size)] and out.logits.shape == (1, 2, target.vocab_size)
 
 
-def test_logit_projection_falls_back_to_the_module_outside_cpu_fp32():
+@pytest.mark.parametrize("capabilities", [{"avx2": True}, {"avx2": True, "amx_bf16": True, "avx512_bf16": True}])
+def test_bf16_linears_are_prepacked_only_where_the_cpu_computes_bf16(monkeypatch, request, capabilities):
+    """A CPU with native bf16 gets oneDNN's prepacked bf16 product at every row count (F.linear's one-row product
+    does not use those instructions); elsewhere the module itself runs (emulated bf16 is slower than fp32)."""
+    from eyas.models.cpu_kernels import native_bf16
+
+    monkeypatch.setattr(torch.cpu, "get_capabilities", lambda: capabilities)
+    native_bf16.cache_clear()
+    request.addfinalizer(native_bf16.cache_clear)
+    native = "amx_bf16" in capabilities
     target = tiny_target("llama", tied=False, dtype=torch.bfloat16)
-    assert not target.logit_projection.applies()
-    h = torch.randn(1, 3, target.hidden_size, dtype=torch.bfloat16)
-    assert torch.equal(target.logit_projection(h), target.lm_head(h))
+    assert target.logit_projection.applies() == (native and torch.backends.mkldnn.is_available())
+    assert (target.logit_projection.kernel(1) is not None) == target.logit_projection.applies()
+    for rows in (1, 3):
+        h = torch.randn(1, rows, target.hidden_size, dtype=torch.bfloat16)
+        # bf16 products accumulate in fp32 either way; they may round the last bit differently
+        torch.testing.assert_close(target.logit_projection(h).float(), target.lm_head(h).float(), rtol=2 ** -7,
+                                   atol=2 ** -7 * float(target.lm_head(h).abs().max()))
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
