@@ -45,7 +45,7 @@ def measure(args: argparse.Namespace) -> dict[str, float]:
         from eyas.inference.acceptance import Sampling
     if args.threads:
         torch.set_num_threads(args.threads)
-    target = Target.load(args.target)
+    target = Target.load(args.target, dtype="fp32")  # both revisions in the same dtype, whatever `auto` means
     torch.manual_seed(0)
     head = DraftHead(head_config_for(target, "eagle3", draft_vocab_size=8192), target)
     gen = SpeculativeGenerator(target, head, TreeOptions(total_tokens=args.total_tokens, depth=3, lookup=0))
