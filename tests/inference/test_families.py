@@ -10,9 +10,7 @@ import random
 import pytest
 import torch
 
-import eyas.inference.generator as generator
 from eyas.inference import SpeculativeGenerator, TreeOptions
-from eyas.inference.costs import CostModel
 from eyas.models.drafters import NAMES
 from eyas.models.errors import Unsupported
 from eyas.models.masks import after_history
@@ -107,20 +105,6 @@ def test_greedy_matches_generate_with_a_random_head(family, head_type):
     assert [r.tokens for r in results] == [refs[i][len(PROMPTS[i]):len(PROMPTS[i]) + n] for i in rows]
     assert_drafts_verified(results, accepted=False)  # a random head
 
-
-@pytest.fixture
-def calibrations(monkeypatch):
-    """The planner's calibration runs as it does, then plans with fixed costs under which trees pay: its trees then
-    follow the head's confidence, not how loaded this machine is (measured costs may make every cycle plain
-    decoding)."""
-    measure, calls = generator.calibrate, []
-
-    def calibrate(*args, **kwargs):
-        calls.append(measure(*args, **kwargs))
-        return CostModel(1.0, 0.01, 1.0, 0.001, learn=False)
-
-    monkeypatch.setattr(generator, "calibrate", calibrate)
-    return calls
 
 
 @pytest.mark.parametrize("family", FAMILIES)

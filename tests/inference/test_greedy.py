@@ -182,19 +182,10 @@ def test_chat_messages_and_text_prompts():
         gen.generate([], max_new_tokens=4)
 
 
-def test_auto_total_tokens_tunes_once_and_stays_exact(monkeypatch):
-    """The first generation measures this machine's costs, once; the planner's trees keep greedy identity. It plans
-    with fixed costs under which trees pay, so what it verifies rests on the head's confidence, not on how loaded
-    this machine is (measured costs may make every cycle plain, and the identity check moot)."""
-    import eyas.inference.generator as generator
-
-    measure, measured = generator.calibrate, []
-
-    def calibrate(*args, **kwargs):
-        measured.append(measure(*args, **kwargs))
-        return CostModel(1.0, 0.01, 1.0, 0.001, learn=False)
-
-    monkeypatch.setattr(generator, "calibrate", calibrate)
+def test_auto_total_tokens_tunes_once_and_stays_exact(calibrations):
+    """The first generation measures this machine's costs, once; the planner's trees keep greedy identity (planned
+    with fixed costs under which trees pay: conftest.calibrations)."""
+    measured = calibrations
     target = tiny_target("mistral")
     gen = SpeculativeGenerator(target, make_head(target), TreeOptions(total_tokens="auto", top_k=4, depth=5))
     res = gen.generate(PROMPTS[2], max_new_tokens=10, **NO_EOS)

@@ -9,11 +9,9 @@ import functools
 import pytest
 import torch
 
-import eyas.inference.generator as generator
 from eyas.inference import GenerationStats, SpeculativeGenerator, TreeOptions
 from eyas.inference.bench import Question, prompt_ids, run_bench
 from eyas.inference.cli import main
-from eyas.inference.costs import CostModel
 from eyas.models import save_head
 from eyas.models.drafters import NAMES
 from tests.helpers.families import family_target
@@ -36,19 +34,6 @@ def setup():
     target = tiny_target("llama")
     return target, [greedy(target, p, NEW) for p in PROMPTS]
 
-
-@pytest.fixture
-def calibrations(monkeypatch):
-    """Calibration runs as it does (once per generator: the calls are counted), then plans with fixed costs under
-    which trees pay, so that every call drafts whatever this machine's measured costs say."""
-    measure, calls = generator.calibrate, []
-
-    def calibrate(*args, **kwargs):
-        calls.append(measure(*args, **kwargs))
-        return CostModel(1.0, 0.01, 1.0, 0.001, learn=False)
-
-    monkeypatch.setattr(generator, "calibrate", calibrate)
-    return calls
 
 
 def _three_calls(gen):
