@@ -68,25 +68,30 @@ def main() -> None:
     p.add_argument("--per-category", type=int, default=1, help="MT-bench questions per category in the bench")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--override", nargs="*", default=[], metavar="KEY=VALUE", help="more run config overrides")
+    p.add_argument("--train-only", action="store_true", help="train (or resume) every head, bench none")
     args = p.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     torch.set_num_threads(torch.get_num_threads())
 
-    seconds = step_seconds(args, out, args.heads)
+    calibration = out / "step_seconds.json"  # measured once: a rerun trains (resumes) and benches the same steps
+    if not calibration.is_file():
+        calibration.write_text(json.dumps(step_seconds(args, out, args.heads)))
+    seconds = json.loads(calibration.read_text())
     report: dict = {"budget_minutes": args.budget_minutes, "cpu": _cpu(), "heads": {}}
-    for name in args.heads:
+    for name in args.heads:  # every head trains first, then every head is benched (a run can bench on a quiet machine)
         steps = max(10, int(args.budget_minutes * 60 / seconds[name]))
-        started = time.perf_counter()
         held_out = run(load_config(CONFIG, [*overrides(args, name, out, steps), "logging.eval_batches=16"]))
-        trained_s = time.perf_counter() - started
-        head = out / name / "head"
-        entry = {"step_seconds": seconds[name], "steps": steps, "train_seconds": trained_s,
-                 "held_out": {k.removeprefix("eval/"): v for k, v in held_out.items()}}
+        report["heads"][name] = {"step_seconds": seconds[name], "steps": steps,
+                                 "held_out": {k.removeprefix("eval/"): v for k, v in held_out.items()}}
+    if args.train_only:
+        return
+    for name in args.heads:
+        entry = report["heads"][name]
         for dtype in ["fp32"] + (["bf16"] if native_bf16() else []):
-            bench = run_bench("smollm2-135m", str(head), "mt-bench", dtype=dtype, per_category=args.per_category,
-                              max_new_tokens=args.max_new_tokens, out=out / name / f"bench-{dtype}.json",
-                              progress=False)
+            bench = run_bench("smollm2-135m", str(out / name / "head"), "mt-bench", dtype=dtype,
+                              per_category=args.per_category, max_new_tokens=args.max_new_tokens,
+                              out=out / name / f"bench-{dtype}.json", progress=False)
             o, rows = bench["overall"], bench["questions"]
             drafting = sum(n > 0 for r in rows for n in r["drafted"])
             entry[dtype] = {"tau": o["tau"], "speedup": o.get("speedup"), "tokens_per_s": o["spec_tokens_per_s"],
@@ -94,7 +99,6 @@ def main() -> None:
                             "accept_rate_per_position": o["accept_rate_per_position"],
                             "draft_ms_per_cycle": 1e3 * sum(r["draft_time_s"] for r in rows) / max(drafting, 1),
                             "exact": o["exact_match_fraction"]}
-        report["heads"][name] = entry
         (out / "report.json").write_text(json.dumps(report, indent=2))
     print(table(report))
     plot(report, out / "report.png")
