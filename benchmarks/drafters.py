@@ -27,12 +27,14 @@ from eyas.train.trainer import run
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIG = REPO / "configs" / "smollm2-135m-eagle3.yaml"
-# name -> overrides of the demo config: the algorithms, EAGLE-3.1 as EAGLE-3 with its two norms
+# name -> overrides of the demo config (a one-layer EAGLE-3): the algorithms, EAGLE-3.1 as EAGLE-3 with its two
+# norms; P-EAGLE and DFlash at their own default depths (4 and 3 layers), which the equal time budget pays for
 VARIANTS = {
     "eagle3": ["head.type=eagle3"],
     "eagle3.1": ["head.type=eagle3", "head.options={fc_norm: true, norm_output: true}"],
-    "peagle": ["head.type=peagle", "head.draft_vocab_size=8192", "head.options={depths: 6}"],
-    "dflash": ["head.type=dflash", "head.draft_vocab_size=null", "head.options={block_size: 8, anchors: 32}"],
+    "peagle": ["head.type=peagle", "head.num_layers=null", "head.draft_vocab_size=8192", "head.options={depths: 6}"],
+    "dflash": ["head.type=dflash", "head.num_layers=null", "head.draft_vocab_size=null",
+               "head.options={block_size: 8, anchors: 32}"],
 }
 
 
