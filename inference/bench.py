@@ -1,13 +1,17 @@
-"""`eyas bench`: a head against plain transformers `generate`, question by question, in one process.
+"""`eyas bench`: a head against plain transformers `generate` and every other runtime asked for, question by
+question, in one run.
 
-Both sides get the same prompt ids, dtype, threads, max_new_tokens, eos ids and sampling
-settings. Runs are interleaved per question (alternating which goes first) after one short
-warm-up each, so drift in machine speed hits both alike. What is measured, and how it is
-summarised, lives in `bench_report.py`.
+Every runtime gets the same prompt ids, dtype, threads, max_new_tokens, eos ids and sampling settings: eyas
+speculative (its planned trees), eyas verifying a chain of k as serving engines do (`eyas_chain`), eyas plain,
+prompt lookup, and vLLM / SGLang plain and with the head. Engines run in their own interpreters, started once
+and kept warm (runtimes_vllm.py); eyas and `generate` run in this process. Runs are interleaved per question
+(alternating which goes first) after one short warm-up each, so drift in machine speed hits every runtime alike.
+What is measured, and how it is summarised, lives in `bench_report.py`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import platform
@@ -28,7 +32,7 @@ from eyas.models.sampling import Sampling, choose
 from eyas.models.signals import GracefulStop
 
 from .bench_report import format_table, summarize, write_plot
-from .runtimes_vllm import VllmOptions
+from .runtimes_vllm import EngineOptions, EngineRow
 from .timing import synchronize
 
 WARMUP_TOKENS = 8
@@ -134,10 +138,11 @@ def run_bench(
     per_category: int | None = None,
     prompt_lookup: int | None = None,
     eyas_plain: bool = False,
+    eyas_chain: int | None = None,
     seed: int = 0,
     out: str | os.PathLike | None = None,
     progress: bool = True,
-    vllm: VllmOptions | None = None,
+    engines: EngineOptions | None = None,
     repeats: int = 1,
     generate: bool = True,
     note: str | None = None,
@@ -149,16 +154,19 @@ def run_bench(
     prompt_lookup: if set, also run transformers prompt-lookup decoding with that many
     candidate tokens. eyas_plain: also time plain one-token decoding through eyas's own Target (same kernels
     as the verify, no drafting), to separate the speculation's gain from the Target's faster logits.
+    eyas_chain: also run eyas verifying a chain of this many drafts at every step, no planner and no lookup
+    (TreeOptions(kind="chain", depth=k, lookup=0)): what vLLM and SGLang verify, so acceptance per position
+    compares step for step. Default: the engines' chain length when engines run, else off.
     out: if set, write the report there atomically and a PNG beside it.
-    vllm: also run the head (exported to the speculators layout) and plain decoding through vLLM
-    (runtimes_vllm.py), after eyas's runs, on the same prompts and sampling.
+    engines: also run the head (exported to each engine's layout) and plain decoding through vLLM / SGLang
+    (runtimes_vllm.py), each engine started once and kept warm, alternated with eyas's runtimes per question.
     repeats: run every question this many times, each runtime once per repeat in alternating order; a row keeps
     every repeat's time and reports the median. generate=False skips transformers generate (then eyas plain
     decoding, which needs eyas_plain, is the reference for exactness).
     note: a line saying what the run is (a smoke run, say), kept in the settings, shown with the table and plot.
     dtype_note: which dtype runs and why (`auto` resolved on this machine), kept in the settings and shown.
     A first SIGINT/SIGTERM ends the run after the question in hand: the report covers the questions done and its
-    settings say `stopped` (the signal, the questions done and left); vLLM's runs are then skipped.
+    settings say `stopped` (the signal, the questions done and left).
     tree_options go to SpeculativeGenerator.from_pretrained (kind, depth, top_k, total_tokens, paths).
     A Target passed in is used where it is (device) and must already be in `dtype`.
     """
@@ -166,6 +174,10 @@ def run_bench(
         raise InputError(f"repeats must be >= 1, got {repeats}")
     if not generate and not eyas_plain:
         raise InputError("without transformers generate the bench needs a reference: pass eyas_plain (--eyas-plain)")
+    if eyas_chain is None and engines is not None and engines.pythons:
+        eyas_chain = engines.draft_tokens
+    if eyas_chain is not None and eyas_chain < 1:
+        raise InputError(f"eyas_chain (the chain's drafts per step) must be >= 1, got {eyas_chain}")
     if isinstance(questions, (str, os.PathLike)):
         questions = load_questions(questions, limit, per_category)
     elif not (questions := list(questions)[:limit]):
@@ -175,7 +187,7 @@ def run_bench(
         torch.set_num_threads(threads)
     try:
         report = _run(target, head, questions, max_new_tokens, temperature, top_p, top_k, dtype, device,
-                      prompt_lookup, eyas_plain, seed, progress, tree_options, vllm, repeats, generate)
+                      prompt_lookup, eyas_plain, eyas_chain, seed, progress, tree_options, engines, repeats, generate)
     finally:
         torch.set_num_threads(threads_before)
     if note:
@@ -188,9 +200,11 @@ def run_bench(
 
 
 def _run(target, head, questions: list[Question], max_new_tokens: int, temperature: float, top_p: float, top_k: int,
-         dtype: str, device: str, prompt_lookup: int | None, eyas_plain: bool, seed: int, progress: bool,
-         tree_options: dict[str, Any], vllm: VllmOptions | None = None, repeats: int = 1,
+         dtype: str, device: str, prompt_lookup: int | None, eyas_plain: bool, eyas_chain: int | None, seed: int,
+         progress: bool, tree_options: dict[str, Any], engines: EngineOptions | None = None, repeats: int = 1,
          generate: bool = True) -> dict:
+    from eyas.inference import SpeculativeGenerator, TreeOptions
+
     target, gen = load_generator(target, head, dtype, device, tree_options)
     eos = target.eos_ids()
     sampling = temperature > 0
@@ -212,13 +226,15 @@ def _run(target, head, questions: list[Question], max_new_tokens: int, temperatu
         sync()
         return y[0, len(ids):].tolist(), time.perf_counter() - t0
 
-    def spec(ids: list[int], n: int, seed_: int):
-        sync()
-        t0 = time.perf_counter()
-        res = gen.generate(ids, max_new_tokens=n, temperature=temperature, top_p=top_p, top_k=top_k, min_p=0.0,
-                           repetition_penalty=1.0, eos_token_id=eos, seed=seed_)
-        sync()
-        return res, time.perf_counter() - t0
+    def speculative(g):
+        def run(ids: list[int], n: int, seed_: int):
+            sync()
+            t0 = time.perf_counter()
+            res = g.generate(ids, max_new_tokens=n, temperature=temperature, top_p=top_p, top_k=top_k, min_p=0.0,
+                             repetition_penalty=1.0, eos_token_id=eos, seed=seed_)
+            sync()
+            return res, time.perf_counter() - t0
+        return run
 
     def one_token(ids: list[int], n: int, seed_: int) -> tuple[list[int], float]:
         sync()
@@ -227,62 +243,68 @@ def _run(target, head, questions: list[Question], max_new_tokens: int, temperatu
         sync()
         return tokens, time.perf_counter() - t0
 
-    # The runtimes: each decodes a question's prompt ids into (result, seconds), the result its tokens (or eyas's
-    # GenerationResult, tokens and stats); `n` new tokens at most, `seed_` for sampling.
+    # The runtimes: each decodes a question's prompt ids into (result, seconds), the result its tokens, eyas's
+    # GenerationResult (tokens and stats) or an engine's EngineRow (tokens and counters); `n` new tokens at most,
+    # `seed_` for sampling. `drafts` says how many drafts a chain runtime verifies per step.
     runtimes: dict[str, Callable[[list[int], int, int], tuple[Any, float]]] = {}
+    drafts: dict[str, int] = {}
     if generate:
         runtimes["baseline"] = lambda ids, n, seed_: plain(ids, config(n), seed_)
-    runtimes["spec"] = spec
+    runtimes["spec"] = speculative(gen)
+    if eyas_chain:
+        runtimes["eyas_chain"] = speculative(SpeculativeGenerator(target, gen.head, TreeOptions(
+            kind="chain", depth=eyas_chain, lookup=0)))
+        drafts["eyas_chain"] = eyas_chain
     if prompt_lookup:
         runtimes["prompt_lookup"] = lambda ids, n, seed_: plain(ids, config(n, lookup=True), seed_)
     if eyas_plain:
         runtimes["eyas_plain"] = one_token
 
-    # One short warm-up each: first-call costs (allocations, kernel selection) stay out of the numbers.
-    warm = prompt_ids(target, questions[0])
-    for run in runtimes.values():
-        run(warm, WARMUP_TOKENS, seed)
-
-    rows, references = [], []
-    bar = tqdm(questions, desc="bench", unit="q", disable=not progress)
-    # A first Ctrl-C ends the run after the question in hand and reports the questions done (a second one aborts
-    # at once, writing nothing).
     stop = GracefulStop(tqdm.write, "finishing this question, then reporting the questions done")
-    with stop:
-        for i, q in enumerate(bar):
-            if stop:
-                break
-            ids = prompt_ids(target, q)
-            times: dict[str, list[float]] = {name: [] for name in runtimes}
-            results: dict[str, list[Any]] = {name: [] for name in runtimes}
-            for r in range(repeats):
-                order = list(runtimes) if (i + r) % 2 == 0 else list(reversed(runtimes))  # alternate who runs first
-                for name in order:
-                    result, seconds = runtimes[name](ids, max_new_tokens, seed + i)
-                    results[name].append(result)
-                    times[name].append(seconds)
-            rows.append(_row(q, ids, results, times, sampling, gen.head))
-            references.append(_tokens(results["baseline" if generate else "eyas_plain"][0]))
-            bar.set_postfix_str(_running(rows))
-    bar.close()
-    stopped = {"signal": stop.signum, "questions_done": len(rows), "questions_left": len(questions) - len(rows)}
+    rows: list[dict[str, Any]] = []
+    with contextlib.ExitStack() as stack:
+        engine_info = None
+        if engines is not None:  # each engine starts once (minutes when it compiles) and stays warm
+            started, engine_info = engines.start(
+                stack, target, gen.head if isinstance(head, DraftHead) else head,
+                dict(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed), eos, dtype)
+            runtimes.update(started)
+            drafts.update({name: engines.draft_tokens for name in started if not name.endswith("_plain")})
 
-    vllm_info = None
-    if vllm is not None and not stop:  # one engine for all questions (its start compiles for minutes), after eyas
-        runs_as = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
-        extra, vllm_info = vllm.bench(target, gen.head if isinstance(head, DraftHead) else head,
-                                      [prompt_ids(target, q) for q in questions], runs_as, eos, dtype,
-                                      reference=None if sampling else references)
-        for row, fields in zip(rows, extra):
-            row.update(fields)
+        # One short warm-up each: first-call costs (allocations, kernel selection) stay out of the numbers.
+        warm = prompt_ids(target, questions[0])
+        for run in runtimes.values():
+            run(warm, WARMUP_TOKENS, seed)
+
+        bar = tqdm(questions, desc="bench", unit="q", disable=not progress)
+        # A first Ctrl-C ends the run after the question in hand and reports the questions done (a second one
+        # aborts at once, writing nothing).
+        with stop:
+            for i, q in enumerate(bar):
+                if stop:
+                    break
+                ids = prompt_ids(target, q)
+                times: dict[str, list[float]] = {name: [] for name in runtimes}
+                results: dict[str, list[Any]] = {name: [] for name in runtimes}
+                for r in range(repeats):
+                    order = list(runtimes) if (i + r) % 2 == 0 else list(reversed(runtimes))  # alternate who's first
+                    for name in order:
+                        result, seconds = runtimes[name](ids, max_new_tokens, seed + i)
+                        results[name].append(result)
+                        times[name].append(seconds)
+                rows.append(_row(q, ids, results, times, sampling, gen.head, drafts))
+                bar.set_postfix_str(_running(rows))
+        bar.close()
+    stopped = {"signal": stop.signum, "questions_done": len(rows), "questions_left": len(questions) - len(rows)}
 
     tree = asdict(gen.options)
     if gen.planner is not None:  # "auto": the cost model it measured on this machine
         tree["cost_model"] = gen.planner.describe()
     report = {"settings": settings(target, head, tree=tree, dtype=dtype, max_new_tokens=max_new_tokens,
                                    temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
-                                   prompt_lookup=prompt_lookup, eyas_plain=eyas_plain, eos_token_ids=eos,
-                                   questions=len(rows), vllm=vllm_info, repeats=repeats, generate=generate,
+                                   prompt_lookup=prompt_lookup, eyas_plain=eyas_plain, eyas_chain=eyas_chain,
+                                   eos_token_ids=eos, questions=len(rows), engines=engine_info, repeats=repeats,
+                                   generate=generate, runtimes=list(runtimes),
                                    **({"stopped": stopped} if stop else {})),
               # a static tree's depth is its longest path: leave the positions to the observed cycles
               **summarize(rows, sampling=sampling, depth=tree["depth"] if tree["kind"] != "static" else None)}
@@ -342,9 +364,10 @@ def _tokens(result: Any) -> list[int]:
 
 
 def _row(q: Question, ids: list[int], results: dict[str, list[Any]], times: dict[str, list[float]], sampling: bool,
-         head: DraftHead) -> dict[str, Any]:
-    """One question: per runtime its tokens and its median time over the repeats (every repeat's time beside it);
-    eyas's stats from its median run."""
+         head: DraftHead, drafts: dict[str, int]) -> dict[str, Any]:
+    """One question: per runtime its tokens and its median time over the repeats (every repeat's time beside it),
+    whether every repeat's output equals the reference's (greedy), and for a runtime that drafts the counters of
+    its median run; eyas's own stats (planned trees) as plain fields."""
     median = {name: sorted(range(len(t)), key=t.__getitem__)[(len(t) - 1) // 2] for name, t in times.items()}
     res = results["spec"][median["spec"]]
     stats = res.stats
@@ -354,6 +377,15 @@ def _row(q: Question, ids: list[int], results: dict[str, list[Any]], times: dict
         row[f"{name}_tokens"] = len(_tokens(results[name][median[name]]))
         row[f"{name}_time_s"] = times[name][median[name]]
         row[f"{name}_times_s"] = list(times[name])
+        if name not in ("baseline", "spec"):
+            row[f"{name}_exact"] = None if sampling else all(_tokens(r) == reference for r in results[name])
+        if name in drafts:  # a chain of drafts[name] per step: tokens gained per step, in order where known
+            one = results[name][median[name]]
+            engine = isinstance(one, EngineRow)
+            row[f"{name}_draft_tokens"] = drafts[name]
+            row[f"{name}_accepted"] = (one.steps or one.accepted) if engine else list(one.stats.accepted)
+            row[f"{name}_ordered"] = not engine or one.steps is not None
+            row[f"{name}_counters"] = one.counters if engine else eyas_counters(one.stats)
     row.update({
         "draft_time_s": stats.draft_time_s, "target_time_s": stats.target_time_s,
         "engine_time_s": stats.total_time_s, "prefill_time_s": stats.prefill_time_s,
@@ -362,13 +394,21 @@ def _row(q: Question, ids: list[int], results: dict[str, list[Any]], times: dict
         "accepted": list(stats.accepted),
         "drafted": list(stats.drafted),
         "depths": list(stats.depths),
+        "spec_counters": eyas_counters(stats),
         "exact": None if sampling else all(_tokens(r) == reference for r in results["spec"]),
         # output tokens the head could never have proposed: a ceiling on acceptance set by the draft vocab
         "out_of_draft_vocab_tokens": int((~head.can_propose(torch.tensor(res.tokens, dtype=torch.long))).sum()),
     })
-    if "eyas_plain" in results:
-        row["eyas_plain_exact"] = None if sampling else all(_tokens(r) == reference for r in results["eyas_plain"])
     return row
+
+
+def eyas_counters(stats) -> dict[str, Any]:
+    """eyas's counters under the engines' names: verify steps (plain ones included), steps that carried drafts,
+    draft tokens verified, drafts accepted, and steps that accepted position k (k = 0, 1, ..)."""
+    gained = [a - 1 for a in stats.accepted]
+    return {"steps": len(stats.accepted), "drafts": sum(n > 0 for n in stats.drafted),
+            "draft_tokens": sum(stats.drafted), "accepted_tokens": sum(gained),
+            "accepted_per_position": [sum(g > k for g in gained) for k in range(max(stats.depths, default=0))]}
 
 
 def _running(rows: list[dict[str, Any]]) -> str:

@@ -29,9 +29,20 @@ merged later. Conventions:
   reference, run beside it). `reference_vs_itself_worst_run` (with repeats): the machine's noise on the same
   scale, the lowest ratio between two repeats of the reference on one question (A/A); a worst run above it
   is within what identical runs differ by.
-- vllm_* (with --vllm): the same head in vLLM (runtimes_vllm.py), a chain of vllm_draft_tokens per step.
-  vllm_tau and vllm_accept_rate_per_position follow the definitions above; vllm_speedup is over generate;
-  vllm_plain_* is vLLM without the head and `vllm_speedup_over_plain` what the head adds inside vLLM.
+- runtimes (overall and per category): every runtime that ran, by its row prefix (RUNTIMES: `baseline` is
+  generate, `spec` eyas with its planned trees, `eyas_chain` eyas verifying a chain of k at every step, `vllm` /
+  `sglang` the engines with the head, `*_plain` without), each with tokens/s, `speedup` over the reference
+  (generate, else eyas plain), `speedup_over_plain` over its own plain decoding, `exact_match_fraction`, its A/A
+  spread `aa_spread` (per question the worst ratio between two of its repeats, the median over questions) and
+  `aa_worst_run` (reference_vs_itself for that runtime: the worst question). A ratio between two runtimes counts
+  only beyond the aa_spread of both (`*_within_noise`: True when it does not, None without repeats to tell). A runtime
+  that drafts also has `counters` (steps = target verify forwards, drafts, draft tokens, accepted drafts,
+  steps that accepted position k: the engine's own, eyas's under the same names), `tau` = tokens per verify
+  forward = (steps + accepted) / steps, and acceptance per position by the definition above, from the counters
+  (eyas's planned trees: from its cycles and their depths, as accept_rate_per_position).
+- chain_vs_engine: where eyas-chain-k and an engine that recorded its proposals (vLLM) first gain a different
+  number of tokens on the same step of the same question (the last step of each question, which the token cap
+  may cut, is not compared); None where they agree on every step compared.
 """
 
 from __future__ import annotations
@@ -50,8 +61,10 @@ def summarize(rows: Sequence[dict[str, Any]], sampling: bool, depth: int | None 
         by_category[r["category"]].append(r)
     positions = max([depth or 0] + [a - 1 for r in rows for a in r["accepted"]]
                     + [d for r in rows for d in r.get("depths", ())])
+    overall = _summary(rows, sampling, positions)
+    overall["chain_vs_engine"] = chain_vs_engine(rows)
     return {
-        "overall": _summary(rows, sampling, positions),
+        "overall": overall,
         "per_category": {c: _summary(rs, sampling, positions) for c, rs in by_category.items()},
         "questions": list(rows),
     }
@@ -92,8 +105,6 @@ def _summary(rows: Sequence[dict[str, Any]], sampling: bool, positions: int) -> 
             pl_same = all(r["baseline_tokens"] == r["prompt_lookup_tokens"] for r in rows)
             s["prompt_lookup_tokens_per_s"] = _ratio(pl_tokens, pl_time)
             s["prompt_lookup_speedup"] = _speedup(base_tokens, base_time, pl_tokens, pl_time, pl_same)
-        if rows and all("vllm_time_s" in r for r in rows):
-            s.update(_vllm_summary(rows, sampling, base_tokens, base_time))
     if all("eyas_plain_time_s" in r for r in rows):
         ep_tokens, ep_time = _total(rows, "eyas_plain_tokens"), _total(rows, "eyas_plain_time_s")
         ep_same = all(r["eyas_plain_tokens"] == r["spec_tokens"] for r in rows)
@@ -105,6 +116,7 @@ def _summary(rows: Sequence[dict[str, Any]], sampling: bool, positions: int) -> 
         s.setdefault("speedup_basis", "time" if ep_same else "tokens_per_s")
     if rows:
         s.update(_distribution(rows))
+        s["runtimes"] = _runtimes(rows, sampling, positions)
     return s
 
 
@@ -145,25 +157,95 @@ def _quantile(values: Sequence[float], q: float) -> float:
     return v[lo] + (v[min(lo + 1, len(v) - 1)] - v[lo]) * (pos - lo)
 
 
-def _vllm_summary(rows: Sequence[dict[str, Any]], sampling: bool, base_tokens: float,
-                  base_time: float) -> dict[str, Any]:
-    accepted = [a for r in rows for a in r["vllm_accepted"]]
-    depth = max(r["vllm_draft_tokens"] for r in rows)
-    tokens, time = _total(rows, "vllm_tokens"), _total(rows, "vllm_time_s")
-    s: dict[str, Any] = {
-        "vllm_tau": sum(accepted) / len(accepted) if accepted else 0.0,
-        "vllm_accept_rate_per_position": accept_rate_per_position(accepted, depth),
-        "vllm_tokens_per_s": _ratio(tokens, time),
-        "vllm_speedup": _speedup(base_tokens, base_time, tokens, time,
-                                 all(r["baseline_tokens"] == r["vllm_tokens"] for r in rows)),
-        "vllm_exact_match_fraction": None if sampling else sum(bool(r["vllm_exact"]) for r in rows) / len(rows),
-    }
-    if all("vllm_plain_time_s" in r for r in rows):
-        p_tokens, p_time = _total(rows, "vllm_plain_tokens"), _total(rows, "vllm_plain_time_s")
-        s["vllm_plain_tokens_per_s"] = _ratio(p_tokens, p_time)
-        s["vllm_speedup_over_plain"] = _speedup(p_tokens, p_time, tokens, time,
-                                                all(r["vllm_plain_tokens"] == r["vllm_tokens"] for r in rows))
-    return s
+# row prefix -> how tables and plots name the runtime, in the order they list them
+RUNTIMES = {"baseline": "generate", "spec": "eyas", "eyas_chain": "eyas chain-{k}", "eyas_plain": "eyas plain",
+            "prompt_lookup": "prompt lookup", "vllm_plain": "vLLM plain", "vllm": "vLLM + head",
+            "sglang_plain": "SGLang plain", "sglang": "SGLang + head"}
+PLAIN_OF = {"spec": "eyas_plain", "eyas_chain": "eyas_plain", "vllm": "vllm_plain", "sglang": "sglang_plain"}
+
+
+def _runtimes(rows: Sequence[dict[str, Any]], sampling: bool, positions: int) -> dict[str, dict[str, Any]]:
+    """Every runtime in the rows: speed, ratios against the reference and its own plain decoding (each with
+    whether the A/A spread covers it), exactness, and for one that drafts its counters, tau and acceptance."""
+    names = [n for n in RUNTIMES if all(f"{n}_time_s" in r for r in rows)]
+    ref = "baseline" if "baseline" in names else "eyas_plain"
+    out: dict[str, dict[str, Any]] = {}
+    for name in names:
+        tokens, time = _total(rows, f"{name}_tokens"), _total(rows, f"{name}_time_s")
+        k = max((r.get(f"{name}_draft_tokens", 0) for r in rows), default=0)
+        exact = "exact" if name == "spec" else f"{name}_exact"
+        s: dict[str, Any] = {"label": RUNTIMES[name].format(k=k), "tokens": tokens, "time_s": time,
+                             "tokens_per_s": _ratio(tokens, time), "aa_spread": aa_spread(rows, name),
+                             "aa_worst_run": reference_vs_itself(rows, name),
+                             "exact_match_fraction": None if sampling or not all(exact in r for r in rows)
+                             else sum(bool(r[exact]) for r in rows) / len(rows)}
+        for key, base in (("speedup", ref), ("speedup_over_plain", PLAIN_OF.get(name))):
+            if base in names and base != name:
+                s[key], s[f"{key}_within_noise"] = compare(rows, base, name)
+        if all(f"{name}_counters" in r for r in rows):
+            s.update(_drafting(rows, name, positions, k))
+        out[name] = s
+    return out
+
+
+def aa_spread(rows: Sequence[dict[str, Any]], name: str) -> float | None:
+    """A runtime against itself, as it typically differs: per question the worst ratio between two of its repeats
+    (<= 1), the median over questions; None without repeats. The times compared are medians over the repeats,
+    which drop a repeat that another program on the machine slowed down; the worst question's ratio (reference_vs_
+    itself) is what such a slowdown makes of the spread, and would call every ratio noise."""
+    ratios = [min(a / b for a in t for b in t) for r in rows if len(t := r.get(f"{name}_times_s", ())) > 1]
+    return _quantile(ratios, 0.5) if ratios else None
+
+
+def compare(rows: Sequence[dict[str, Any]], base: str, name: str) -> tuple[float, bool | None]:
+    """`name`'s speedup over `base` (a time ratio when both produced the same tokens for every question, else a
+    tokens/s ratio), and whether it lies within the A/A spread of either: 1/n <= ratio <= n, n the larger of
+    their aa_spread (None without repeats to tell)."""
+    same = all(r[f"{base}_tokens"] == r[f"{name}_tokens"] for r in rows)
+    ratio = _speedup(_total(rows, f"{base}_tokens"), _total(rows, f"{base}_time_s"), _total(rows, f"{name}_tokens"),
+                     _total(rows, f"{name}_time_s"), same)
+    spreads = [aa_spread(rows, n) for n in (base, name)]
+    if None in spreads:
+        return ratio, None
+    noise = 1 / min(spreads)
+    return ratio, 1 / noise <= ratio <= noise
+
+
+def _drafting(rows: Sequence[dict[str, Any]], name: str, positions: int, k: int) -> dict[str, Any]:
+    """Summed counters, tau = tokens per verify forward, and acceptance per position: from the counters for a
+    chain (every step drafts k), from the cycles and their depths for eyas's planned trees."""
+    total: dict[str, Any] = {key: sum(r[f"{name}_counters"][key] for r in rows)
+                             for key in ("steps", "drafts", "draft_tokens", "accepted_tokens")}
+    per_position = [r[f"{name}_counters"]["accepted_per_position"] for r in rows]
+    total["accepted_per_position"] = [sum(p[j] for p in per_position if j < len(p))
+                                      for j in range(max(map(len, per_position), default=0))]
+    if name == "spec":
+        rates = accept_rate_per_position([a for r in rows for a in r["accepted"]], positions,
+                                          [d for r in rows for d in r.get("depths", [positions] * len(r["accepted"]))])
+    else:
+        reached = [total["drafts"], *total["accepted_per_position"]]
+        rates = [reached[j + 1] / reached[j] if j + 1 < len(reached) and reached[j] else None for j in range(k)]
+    return {"counters": total, "tau": _ratio(total["steps"] + total["accepted_tokens"], total["steps"]),
+            "accept_rate_per_position": rates}
+
+
+def chain_vs_engine(rows: Sequence[dict[str, Any]]) -> dict[str, Any] | None:
+    """Where eyas-chain-k and an engine whose steps are known in order (vLLM, from its proposals) first gain a
+    different number of tokens on the same step; None when no such pair ran."""
+    engine = next((e for e in ("vllm", "sglang") if rows and all(r.get(f"{e}_ordered") and "eyas_chain_accepted" in r
+                                                                   for r in rows)), None)
+    if engine is None:
+        return None
+    steps = 0
+    for r in rows:
+        mine, theirs = r["eyas_chain_accepted"], r[f"{engine}_accepted"]
+        for j in range(min(len(mine), len(theirs)) - 1):  # the last step may be cut by the token cap
+            if mine[j] != theirs[j]:
+                return {"engine": engine, "steps_agreed": steps, "first": {
+                    "question": r.get("question_id"), "step": j, "token": 1 + sum(mine[:j]),
+                    "eyas_chain": mine[j], engine: theirs[j]}}
+            steps += 1
+    return {"engine": engine, "steps_agreed": steps, "first": None}
 
 
 def accept_rate_per_position(accepted: Sequence[int], positions: int,
@@ -194,7 +276,7 @@ def _speedup(base_tokens: float, base_time: float, tokens: float, time: float, s
 
 def format_table(report: dict[str, Any]) -> str:
     """Per category then overall: tau, tokens/s, speedups, the spread of per-question speedups, time shares,
-    exactness."""
+    exactness; then every runtime that ran side by side (format_runtimes)."""
     def x(value: float | None) -> str:
         return "-" if value is None else f"{value:.2f}x"
 
@@ -212,11 +294,7 @@ def format_table(report: dict[str, Any]) -> str:
                       f"{100 * s['draft_time_fraction']:.1f}", f"{100 * s['engine_overhead_fraction']:.1f}",
                       f"{100 * s['plain_cycle_fraction']:.0f}", "-" if oov is None else f"{100 * oov:.1f}",
                       "-" if exact is None else f"{exact:.2f}"))
-    widths = [max(len(line[i]) for line in lines) for i in range(len(lines[0]))]
-    out = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(line, widths)))
-           for line in lines]
-    out.insert(1, "-" * len(out[0]))
-    out.insert(len(out) - 1, "-" * len(out[0]))
+    out = _aligned(lines, total=True)
     if note := report.get("settings", {}).get("note"):
         out.insert(0, note)
     if dtype_note := report.get("settings", {}).get("dtype_note"):
@@ -233,50 +311,117 @@ def format_table(report: dict[str, Any]) -> str:
     if o["speedup_basis"] != "time":
         out.append("speedups are tokens/s ratios: outputs differ in length (sampling), so times are not for the "
                    "same tokens")
-    if "vllm_tau" in o:
-        rates = ", ".join("-" if r is None else f"{r:.2f}" for r in o["vllm_accept_rate_per_position"])
-        exact = o["vllm_exact_match_fraction"]
-        plain = (f"; vLLM plain {o['vllm_plain_tokens_per_s']:.1f} tok/s, the head adds "
-                 f"{o['vllm_speedup_over_plain']:.2f}x") if "vllm_plain_tokens_per_s" in o else ""
-        out.append(f"vLLM {report['settings'].get('vllm', {}).get('version', '')}, same head: tau {o['vllm_tau']:.2f} "
-                   f"(acceptance per position {rates}), {o['vllm_tokens_per_s']:.1f} tok/s, "
-                   f"{o['vllm_speedup']:.2f}x generate{plain}" + ("" if exact is None else f", exact {exact:.2f}"))
-    if "eyas_plain_tokens_per_s" in o:
-        generate = f", {o['eyas_plain_speedup']:.2f}x generate (kernels alone)" if "eyas_plain_speedup" in o else ""
-        out.append(f"eyas plain one-token decoding: {o['eyas_plain_tokens_per_s']:.1f} tok/s{generate}; speculation "
-                   f"adds {o['speedup_over_eyas_plain']:.2f}x on top")
+    if o.get("runtimes"):
+        out += ["", *format_runtimes(report)]
     return "\n".join(out)
 
 
+def format_runtimes(report: dict[str, Any]) -> list[str]:
+    """Every runtime that ran, one line each: speed, its ratios over the reference and over its own plain
+    decoding ("within noise" inside the A/A spread), its A/A spread, and for one that drafts tau, acceptance per
+    position and its counters; then which runtimes ran or did not, and where eyas-chain-k and the engine first
+    disagree."""
+    o, st = report["overall"], report.get("settings", {})
+    runtimes = o["runtimes"]
+    ref = "generate" if "baseline" in runtimes else "eyas plain"
+    lines = [("runtime", "tok/s", f"vs {ref}", "vs own plain", "A/A", "A/A worst", "tau", "acceptance per position",
+              "steps", "drafts", "draft tok", "accepted", "exact")]
+    for s in runtimes.values():
+        c, exact = s.get("counters"), s["exact_match_fraction"]
+        rates = s.get("accept_rate_per_position")
+        lines.append((s["label"], f"{s['tokens_per_s']:.1f}", _versus(s, "speedup"), _versus(s, "speedup_over_plain"),
+                      _plus_minus(s.get("aa_spread")), _plus_minus(s["aa_worst_run"]),
+                      "-" if c is None else f"{s['tau']:.2f}",
+                      "-" if rates is None else " ".join("-" if r is None else f"{r:.2f}" for r in rates[:8]),
+                      *(("-",) * 4 if c is None else (str(c["steps"]), str(c["drafts"]), str(c["draft_tokens"]),
+                                                      str(c["accepted_tokens"]))),
+                      "-" if exact is None else f"{exact:.2f}"))
+    out = _aligned(lines)
+    out.append("ran: " + ", ".join(s["label"] for s in runtimes.values()))
+    for engine, why in ((st.get("engines") or {}).get("not_run") or {}).items():
+        out.append(f"not run: {engine}: {why}")
+    if st.get("repeats", 1) > 1:
+        out.append("A/A: a runtime against itself, per question the worst ratio between two of its repeats, the "
+                   "median over questions (A/A worst: the worst question); a ratio inside the A/A of either runtime it "
+                   "compares is within noise")
+    else:
+        out.append("one repeat: no A/A spread to judge the ratios by (--repeats 2 or more)")
+    if (chain := o.get("chain_vs_engine")) is not None:
+        names = runtimes["eyas_chain"]["label"], runtimes[chain["engine"]]["label"]
+        first = chain["first"]
+        out.append(f"{names[0]} and {names[1]}: the same tokens gained at all {chain['steps_agreed']} steps compared"
+                   if first is None else
+                   f"{names[0]} and {names[1]} first disagree at question {first['question']}, step {first['step']} "
+                   f"(output token {first['token']}): {names[0]} gained {first['eyas_chain']}, {names[1]} "
+                   f"{first[chain['engine']]} (after {chain['steps_agreed']} steps that agreed)")
+    return out
+
+
+def _plus_minus(aa: float | None) -> str:
+    return "-" if aa is None else f"±{100 * (1 / aa - 1):.0f}%"
+
+
+def _versus(s: dict[str, Any], key: str) -> str:
+    if key not in s:
+        return "-"
+    return "within noise" if s[f"{key}_within_noise"] else f"{s[key]:.2f}x"
+
+
+def _aligned(lines: list[tuple[str, ...]], total: bool = False) -> list[str]:
+    """Columns padded to their widest cell (the first left-aligned), a rule under the header (and above a
+    closing total line)."""
+    widths = [max(len(line[i]) for line in lines) for i in range(len(lines[0]))]
+    out = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(line, widths)))
+           for line in lines]
+    out.insert(1, "-" * len(out[0]))
+    if total:
+        out.insert(len(out) - 1, "-" * len(out[0]))
+    return out
+
+
 def write_plot(report: dict[str, Any], path: str | os.PathLike) -> None:
-    """Three panels: acceptance per draft position; speedup per category, eyas's bars beside those of prompt
-    lookup and vLLM where they ran; and every question's speedup over the per-question reference."""
+    """Three panels: acceptance per draft position of every runtime that drafts; every runtime's speedup over
+    the reference, with the A/A spread around it; and every question's speedup over the per-question
+    reference."""
     import matplotlib
 
     matplotlib.use("Agg")  # files only; never needs a display
     import matplotlib.pyplot as plt
 
-    fig, (ax_acc, ax_speed, ax_q) = plt.subplots(1, 3, figsize=(16, 4.2), gridspec_kw={"width_ratios": [1, 1, 1.3]})
+    fig, (ax_acc, ax_speed, ax_q) = plt.subplots(1, 3, figsize=(17, 4.6), gridspec_kw={"width_ratios": [1, 1.1, 1.2]})
     o = report["overall"]
-    rates = {"eyas": o["accept_rate_per_position"], "vLLM": o.get("vllm_accept_rate_per_position")}
-    positions = max(len(r) for r in rates.values() if r is not None)
-    _bars(ax_acc, list(range(1, positions + 1)),
-          [(name, [r[k] if r is not None and k < len(r) else None for k in range(positions)], color)
-           for (name, r), color in zip(rates.items(), ("tab:blue", "tab:orange")) if r is not None])
-    vllm_tau = f", vLLM {o['vllm_tau']:.2f}" if "vllm_tau" in o else ""
-    title = f"acceptance per position (tau {o['tau']:.2f}{vllm_tau})"
-    ax_acc.set(xlabel="draft position", ylabel="acceptance rate (given previous accepted)", ylim=(0, 1), title=title)
+    runtimes = o.get("runtimes") or {}
+    # lines, not bars: four runtimes' values side by side at each position would print over each other
+    drafting = {s["label"]: (s["accept_rate_per_position"], s["tau"]) for s in runtimes.values()
+                if s.get("accept_rate_per_position") is not None} or {"eyas": (o["accept_rate_per_position"], o["tau"])}
+    for j, ((label, (rates, tau)), marker) in enumerate(zip(drafting.items(), "osD^v<>")):
+        # each runtime's markers smaller than the one before: equal values (a chain and the engine that should
+        # draft alike) stay visible one inside the other
+        ax_acc.plot(range(1, len(rates) + 1), [float("nan") if r is None else r for r in rates], marker=marker,
+                    markersize=10 - 2 * j, label=f"{label} (tau {tau:.2f})")
+    ax_acc.set(xlabel="draft position", ylabel="acceptance rate (given previous accepted)", ylim=(-0.04, 1.05),
+               title="acceptance per position")
+    ax_acc.xaxis.get_major_locator().set_params(integer=True)
+    ax_acc.legend(fontsize=8, loc="best")
 
-    groups = sorted(report["per_category"].items()) + [("overall", o)]
-    generate = "speedup" in o
-    series = [("eyas", "speedup" if generate else "speedup_over_eyas_plain", "tab:blue"),
-              ("prompt lookup", "prompt_lookup_speedup", "tab:gray"), ("vLLM", "vllm_speedup", "tab:orange")]
-    _bars(ax_speed, [n for n, _ in groups], [(label, [s[key] for _, s in groups], color)
-                                            for label, key, color in series if all(key in s for _, s in groups)])
-    ax_speed.axhline(1.0, color="black", linewidth=0.8)
-    plt.setp(ax_speed.get_xticklabels(), rotation=30, ha="right")
-    ax_speed.set(ylabel=f"speedup over {'transformers generate' if generate else 'eyas plain decoding'}",
-                 title="speedup per category")
+    generate = "baseline" in runtimes or "speedup" in o
+    compared = [(s["label"], s["speedup"], s["speedup_within_noise"], _spread(runtimes, name))
+                for name, s in runtimes.items() if "speedup" in s]
+    if not compared:  # a report from before the runtimes were summarised: eyas alone
+        compared = [("eyas", o.get("speedup", o.get("speedup_over_eyas_plain")), None, None)]
+    y = list(range(len(compared)))[::-1]  # listed top to bottom in the table's order
+    colors = ["lightgray" if within else "tab:blue" for _, _, within, _ in compared]
+    ax_speed.barh(y, [v for _, v, _, _ in compared], color=colors, height=0.6)
+    for (_, v, _, noise), yy in zip(compared, y):
+        if noise is not None:
+            ax_speed.errorbar(v, yy, xerr=[[v - v / noise], [v * noise - v]], color="black", capsize=3, linewidth=1)
+    # the values go with the names, left of the axis, where no bar or spread can run over them
+    ax_speed.set_yticks(y, [f"{label}\n{v:.2f}x" + (", within noise" if within else "")
+                            for label, v, within, _ in compared], fontsize=8)
+    ax_speed.axvline(1.0, color="black", linewidth=0.8)
+    ax_speed.set_xlim(0, max(1.0, *(v for _, v, _, _ in compared)) * 1.5)  # a wider spread runs off the edge
+    ax_speed.set(xlabel=f"speedup over {'transformers generate' if generate else 'eyas plain decoding'} (bars: the "
+                        "A/A spread)", title="every runtime, overall")
 
     # every question, grouped by category and sorted within it: the spread the means hide
     rows = report["questions"]
@@ -290,10 +435,10 @@ def write_plot(report: dict[str, Any], path: str | os.PathLike) -> None:
     for level, style in ((1.0, "-"), (0.97, ":")):
         ax_q.axhline(level, color="black", linewidth=0.8, linestyle=style)
     ax_q.set(xlabel="question (by category, sorted)", xticks=[],
-             ylabel=f"speedup over {'eyas plain decoding' if ref == 'eyas_plain' else 'transformers generate'}",
+             ylabel=f"eyas's speedup over {'eyas plain decoding' if ref == 'eyas_plain' else 'transformers generate'}",
              title=f"per question: worst {o['worst_question_speedup']:.2f}x, p10 {o['p10_question_speedup']:.2f}x, "
                    f"{100 * o['slower_question_fraction']:.0f}% below 1x")
-    ax_q.legend(fontsize=7, ncol=2, loc="upper left")
+    ax_q.legend(fontsize=7, ncol=2, loc="best")  # where it covers the fewest questions
     st = report.get("settings", {})
     note = f"\n{st['note']}" if st.get("note") else ""
     fig.suptitle(f"{st.get('target', '')}  {st.get('dtype', '')}  T={st.get('temperature', '')}  "
@@ -304,13 +449,9 @@ def write_plot(report: dict[str, Any], path: str | os.PathLike) -> None:
     plt.close(fig)
 
 
-def _bars(ax, labels: list, series: list[tuple[str, list[float | None], str]]) -> None:
-    """Grouped bars: one group per label, one bar per series (None values left out), each with its value."""
-    width = 0.8 / len(series)
-    for j, (name, values, color) in enumerate(series):
-        xs = [i + (j - (len(series) - 1) / 2) * width for i, v in enumerate(values) if v is not None]
-        ax.bar_label(ax.bar(xs, [v for v in values if v is not None], width, label=name, color=color), fmt="%.2f")
-    ax.set_xticks(range(len(labels)), labels)
-    ax.margins(y=0.2)  # room for the values and the legend above the bars
-    if len(series) > 1:
-        ax.legend(loc="upper left")
+def _spread(runtimes: dict[str, dict[str, Any]], name: str) -> float | None:
+    """The noise factor around `name`'s speedup over the reference: the larger A/A spread of the two (None
+    without repeats)."""
+    ref = "baseline" if "baseline" in runtimes else "eyas_plain"
+    spreads = [runtimes[n].get("aa_spread") for n in (ref, name)]
+    return None if None in spreads else 1 / min(spreads)

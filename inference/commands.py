@@ -1,4 +1,4 @@
-"""`eyas generate`, `eyas chat`, `eyas bench` and `eyas demo`."""
+"""`eyas generate`, `eyas chat`, `eyas bench`, `eyas check-served` and `eyas demo`."""
 
 from __future__ import annotations
 
@@ -44,7 +44,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=_chat)
     p = sub.add_parser("bench", help="benchmark a head against plain generate on MT-bench style questions",
                        description="Measure acceptance length, per-position acceptance and end-to-end speedup "
-                       "against plain transformers generate, interleaved in one process.",
+                       "against plain transformers generate, and beside them every runtime asked for (eyas plain, "
+                       "eyas verifying chains, prompt lookup, vLLM and SGLang plain and with the head), alternated "
+                       "question by question; serving engines are started once and kept warm. With --repeats, "
+                       "each runtime's A/A spread says which ratios are beyond noise.",
                        epilog="Questions: one JSON object per line, MT-bench / Spec-Bench rows "
                        "({question_id, category, turns}: the first turn goes through the target's chat template) "
                        "or HumanEval-style rows ({prompt}: used raw). Writes REPORT.json and REPORT.png beside it. "
@@ -54,7 +57,10 @@ def register(sub: argparse._SubParsersAction) -> None:
                        "  eyas bench --target smollm2-135m --head heads/smollm2-135m-eagle3 --per-category 1 "
                        "--prompt-lookup --out runs/bench/report.json\n"
                        "  eyas bench --target smollm2-135m --head heads/smollm2-135m-eagle3 --questions my.jsonl "
-                       "--eyas-plain --repeats 3 --out runs/bench/mine.json")
+                       "--eyas-plain --repeats 3 --out runs/bench/mine.json\n"
+                       "  EYAS_VLLM_PYTHON=~/vllm-venv/bin/python eyas bench --target smollm2-135m --head "
+                       "heads/smollm2-135m-eagle3 --vllm --eyas-plain --per-category 1 --repeats 2 "
+                       "--out runs/serve/report.json")
     _add_model_options(p)
     p.add_argument("--questions", default="mt-bench",
                    help="questions: `mt-bench` (the 80 MT-bench questions, shipped with eyas; default) or a .jsonl "
@@ -78,19 +84,66 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--no-generate", action="store_true",
                    help="skip transformers generate (needs --eyas-plain, then the only reference): saves a third of "
                    "the time when only speculation against plain decoding matters")
+    p.add_argument("--eyas-chain", action="store_true",
+                   help="also run eyas verifying a chain of --draft-tokens drafts at every step, no planner, no "
+                   "lookup: what vLLM and SGLang verify (on by itself with --vllm or --sglang)")
+    p.add_argument("--draft-tokens", type=positive, default=5, metavar="K",
+                   help="the chain length per step of vLLM, SGLang and --eyas-chain (default: 5)")
     p.add_argument("--vllm", action="store_true",
-                   help="also run the head (exported to the speculators layout) and plain decoding through vLLM, "
-                   "installed in its own environment (docs/runtimes.md); its tau, acceptance and tok/s join the report")
+                   help="also run vLLM plain and with the head (exported to the speculators layout), installed in its "
+                   "own environment (docs/runtimes.md), each engine started once and alternated with eyas per "
+                   "question; its tau, acceptance, counters and tok/s join the report")
     p.add_argument("--vllm-python", default=None, metavar="PYTHON",
                    help="python of the environment vLLM is installed in (default: $EYAS_VLLM_PYTHON)")
-    p.add_argument("--vllm-draft-tokens", type=positive, default=5, metavar="K",
-                   help="vLLM drafts a chain of K tokens per step (default: 5)")
-    p.add_argument("--vllm-eager", action="store_true",
-                   help="vLLM without torch.compile: its engine starts in seconds instead of minutes, decodes slower")
-    p.add_argument("--no-vllm-plain", action="store_true", help="skip vLLM's plain decoding (one engine start less)")
+    p.add_argument("--sglang", action="store_true",
+                   help="also run SGLang plain and with the head (sglang layout) where it is installed "
+                   "($EYAS_SGLANG_PYTHON); where it is not, the report says why in one line")
+    p.add_argument("--eager", action="store_true",
+                   help="engines without graph compilation: vLLM starts in seconds instead of minutes, decodes slower")
+    p.add_argument("--no-engine-plain", action="store_true",
+                   help="skip the engines' plain decoding (one engine start less each)")
     p.add_argument("--note", default=None, metavar="TEXT",
                    help="a line saying what this run is, kept in the report and shown above the table and on the plot")
     p.set_defaults(func=_bench)
+    p = sub.add_parser("check-served", help="check that a serving engine drafts what eyas's head drafts, and renders "
+                       "prompts as eyas does",
+                       description="Export the head for vLLM (or take an export with --served), run questions through "
+                       "vLLM greedily with every proposal recorded, and compare, token by token, each proposal with "
+                       "the chain eyas's own head drafts from the same context (the engine's prompt + the tokens it "
+                       "had decided), and the prompt ids the engine rendered from the chat messages with eyas's "
+                       "rendering. Where they differ, the likely causes are tried in eyas and the one that reproduces "
+                       "the engine is named: fused layer ids shifted by one, the draft vocab map off by one, a norm "
+                       "flag flipped, another rope theta; for the rendering, another chat template in the engine's "
+                       "model folder, a BOS token added or dropped, special tokens, no generation prompt. Greedy, "
+                       "fp32 on both sides. Exit status 0: the check passed; 1: it failed.",
+                       epilog="examples:\n"
+                       "  EYAS_VLLM_PYTHON=~/vllm-venv/bin/python eyas check-served --target smollm2-135m "
+                       "--head heads/smollm2-135m-eagle3\n"
+                       "  eyas check-served --target smollm2-135m --head heads/smollm2-135m-eagle3 --served "
+                       "heads/smollm2-135m-eagle3-vllm --engine-model /srv/models/smollm2 --limit 8 --out check.json")
+    p.add_argument("--target", required=True, help="the target as eyas runs it: model folder, hub id or `smollm2-135m`")
+    p.add_argument("--head", required=True,
+                   help="eyas's head (any layout, or a training checkpoint): the drafts the engine's must equal")
+    p.add_argument("--served", default=None, metavar="DIR",
+                   help="the speculators folder the engine loads (default: --head exported now)")
+    p.add_argument("--engine-model", default=None, metavar="DIR",
+                   help="the model folder the engine serves, when it is not --target's (its tokenizer and chat "
+                   "template are the engine's)")
+    p.add_argument("--questions", default="mt-bench",
+                   help="questions: `mt-bench` (shipped with eyas; default) or a .jsonl file of MT-bench or "
+                   "HumanEval-style rows")
+    p.add_argument("--limit", type=positive, default=4, help="the first N questions")
+    p.add_argument("--max-new-tokens", type=positive, default=48, help="new tokens per question")
+    p.add_argument("--draft-tokens", type=positive, default=5, metavar="K",
+                   help="the engine drafts a chain of K per step")
+    p.add_argument("--tolerance", type=probability, default=0.02,
+                   help="the share of proposals that may differ (engines round otherwise than eyas: near-ties)")
+    p.add_argument("--vllm-python", default=None, metavar="PYTHON",
+                   help="python of the environment vLLM is installed in (default: $EYAS_VLLM_PYTHON)")
+    p.add_argument("--compile", action="store_true",
+                   help="let vLLM compile its graphs (minutes at start on a CPU); without it the engine runs eager")
+    p.add_argument("--out", default=None, metavar="JSON", help="also write the result as JSON")
+    p.set_defaults(func=_check_served)
     p = sub.add_parser("demo", help="the main job: self-distil data, train the demo head, export it, benchmark it "
                        "(--quick: a smoke run of it in minutes)",
                        description="Have the target answer ShareGPT prompts itself (self-distillation, with the "
@@ -291,23 +344,32 @@ def _bench(args: argparse.Namespace) -> int:
     from eyas.models.errors import MissingInput
 
     from .bench import format_table, run_bench
-    from .runtimes_vllm import VllmOptions, vllm_python
+    from .runtimes_vllm import ENGINES, EngineOptions, engine_python
 
     _placement(args)
-    vllm = None
+    engines, pythons, not_run = None, {}, {}
     if args.vllm:
-        python = vllm_python(args.vllm_python)
-        if python is None:
+        pythons["vllm"] = engine_python("vllm", args.vllm_python)
+        if pythons["vllm"] is None:
             raise MissingInput("--vllm needs vLLM's interpreter: pass --vllm-python or set EYAS_VLLM_PYTHON "
                                "(docs/runtimes.md: installing vLLM beside eyas)")
-        vllm = VllmOptions(python, args.vllm_draft_tokens, args.vllm_eager, not args.no_vllm_plain)
+    if args.sglang:
+        if (python := engine_python("sglang")) is not None:
+            pythons["sglang"] = python
+        else:  # where SGLang is not installed the run goes on without it and says so
+            not_run[ENGINES["sglang"].label] = ENGINES["sglang"].missing
+    if pythons or not_run:
+        engines = EngineOptions(pythons, args.draft_tokens, args.eager, not args.no_engine_plain,
+                                not_run=not_run)
     report = run_bench(args.target, args.head, args.questions, max_new_tokens=args.max_new_tokens,
                        # the bench states its settings for every side: greedy unless asked (not generation_config)
                        temperature=args.temperature or 0.0, top_p=args.top_p or 1.0, top_k=args.top_k or 0,
                        seed=args.seed,
                        dtype=args.dtype, device=args.device, limit=args.limit, per_category=args.per_category,
                        threads=args.threads,
-                       prompt_lookup=args.prompt_lookup, eyas_plain=args.eyas_plain, out=args.out, vllm=vllm,
+                       prompt_lookup=args.prompt_lookup, eyas_plain=args.eyas_plain,
+                       eyas_chain=args.draft_tokens if args.eyas_chain or pythons else None, out=args.out,
+                       engines=engines,
                        repeats=args.repeats, generate=not args.no_generate, note=args.note,
                        dtype_note=args.dtype_note, **tree_options(args))
     print(format_table(report))
@@ -319,6 +381,51 @@ def _bench(args: argparse.Namespace) -> int:
               f"{stopped['questions_left']} left were not run", file=sys.stderr)
         return 128 + stopped["signal"]
     return 0
+
+
+def _check_served(args: argparse.Namespace) -> int:
+    import json
+    import sys
+    import tempfile
+    from pathlib import Path
+
+    import torch
+    from transformers import AutoTokenizer
+
+    from eyas.models import Target, load_head
+    from eyas.models.atomic import atomic_file
+    from eyas.models.errors import MissingInput
+    from eyas.models.layouts import head_folder
+
+    from .bench import load_questions, prompt_ids
+    from .check_served import check_served
+    from .runtimes_vllm import EngineSettings, engine_python, export_for, max_model_len, run_engine, vllm_model
+
+    python = engine_python("vllm", args.vllm_python)
+    if python is None:
+        raise MissingInput("check-served needs vLLM's interpreter: pass --vllm-python or set EYAS_VLLM_PYTHON "
+                           "(docs/runtimes.md: installing vLLM beside eyas)")
+    target = Target.load(args.target, dtype="fp32", device="cpu")
+    head = load_head(head_folder(Path(args.head)), target, dtype="fp32")
+    questions = load_questions(args.questions, args.limit)
+    prompts = [[{"role": "user", "content": q.prompt}] if q.chat else prompt_ids(target, q) for q in questions]
+    model = vllm_model(args.engine_model or args.target)
+    settings = EngineSettings(eos_token_ids=tuple(target.eos_ids()), num_speculative_tokens=args.draft_tokens,
+                              threads=torch.get_num_threads(), max_model_len=max_model_len(target),
+                              enforce_eager=not args.compile, kv_cache_gib=1)
+    with tempfile.TemporaryDirectory(prefix="eyas-check-served-") as tmp:
+        served = args.served or export_for("vllm", args.head, Path(tmp) / "served", target)
+        print(f"eyas check-served: {len(prompts)} questions through vLLM serving {model} with {served}",
+              file=sys.stderr)
+        result = check_served(
+            target, head, prompts,
+            lambda batch: run_engine(python, model, batch, settings, args.max_new_tokens, served).rows,
+            args.draft_tokens, args.tolerance, AutoTokenizer.from_pretrained(model) if args.engine_model else None)
+    print("\n".join(result.lines()))
+    if args.out:
+        with atomic_file(Path(args.out)) as f:
+            json.dump(result.to_dict(), f, indent=2)
+    return 0 if result.passed else 1
 
 
 def _demo(args: argparse.Namespace) -> int:

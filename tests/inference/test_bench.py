@@ -1,4 +1,5 @@
 import json
+import os
 
 import pytest
 import torch
@@ -6,6 +7,7 @@ import torch
 from eyas.inference import bench
 from eyas.inference.bench import Question, load_questions, run_bench
 from eyas.inference.bench_report import accept_rate_per_position, format_table, summarize
+from eyas.inference.runtimes_vllm import ENGINES
 from eyas.models import DraftHead, save_head
 from eyas.models.head_config import head_config_for
 from eyas.models.sampling import Sampling
@@ -292,3 +294,111 @@ def test_question_speedups_give_the_worst_question_the_tenth_percentile_and_the_
     assert report["per_category"]["d"]["reference_vs_itself_worst_run"] == pytest.approx(1.0)
     assert report["per_category"]["d"]["worst_question"] == 5
     assert report["per_category"]["c"]["slower_question_fraction"] == pytest.approx(0.2)
+
+
+def test_eyas_chain_verifies_k_drafts_every_step_beside_the_planned_trees(tmp_path, pair):
+    report = run_bench(*pair, QUESTIONS_AS_OBJECTS, max_new_tokens=10, eyas_chain=2, eyas_plain=True, repeats=2,
+                       out=tmp_path / "r.json", progress=False, **SMALL_TREE)
+    for row in report["questions"]:
+        c = row["eyas_chain_counters"]
+        assert row["eyas_chain_exact"] and row["eyas_chain_draft_tokens"] == 2
+        assert c["drafts"] == c["steps"] == len(row["eyas_chain_accepted"]) and c["draft_tokens"] == 2 * c["steps"]
+        assert all(1 <= a <= 3 for a in row["eyas_chain_accepted"])
+        assert c["accepted_per_position"] == [sum(a > k + 1 for a in row["eyas_chain_accepted"]) for k in range(2)]
+    chain = report["overall"]["runtimes"]["eyas_chain"]
+    accepted = [a for r in report["questions"] for a in r["eyas_chain_accepted"]]
+    assert chain["label"] == "eyas chain-2" and chain["tau"] == pytest.approx(sum(accepted) / len(accepted))
+    assert chain["accept_rate_per_position"] == accept_rate_per_position(accepted, 2)
+    assert chain["exact_match_fraction"] == 1.0 and chain["aa_worst_run"] <= 1.0
+    assert "eyas chain-2" in format_table(report) and report["settings"]["eyas_chain"] == 2
+    assert_plotted(tmp_path / "r.png")
+
+
+def _timed(name, times, tokens=10):
+    return {f"{name}_tokens": tokens, f"{name}_time_s": sorted(times)[(len(times) - 1) // 2], f"{name}_times_s": times}
+
+
+def test_a_ratio_counts_only_beyond_both_runtimes_a_a_spread():
+    from eyas.inference.bench_report import compare
+
+    rows = [{**_timed("baseline", [2.0, 2.2]), **_timed("spec", [1.0, 1.05]), **_timed("eyas_plain", [1.9, 2.0])}]
+    assert compare(rows, "baseline", "spec") == (pytest.approx(2.0), False)  # 2x: far beyond a 10% spread
+    ratio, within = compare(rows, "baseline", "eyas_plain")
+    assert ratio == pytest.approx(2.0 / 1.9) and within  # 5% faster, inside generate's own 10%
+    one = [{**_timed("baseline", [2.0]), **_timed("spec", [1.0])}]
+    assert compare(one, "baseline", "spec") == (pytest.approx(2.0), None)  # no repeats: nothing to judge by
+    # another program slows one repeat of one question 20x: its median drops it, and the spread that judges is the
+    # typical question's, while the worst question's is kept beside it
+    hiccup = [{**_timed("baseline", [2.0, 40.0] if q == 1 else [2.0, 2.1]), **_timed("spec", [1.6, 1.65])}
+              for q in range(3)]
+    assert compare(hiccup, "baseline", "spec") == (pytest.approx(2.0 / 1.6), False)
+    report = summarize([{**r, "category": "c", "accepted": [1], "engine_time_s": 1.0, "draft_time_s": 0.1,
+                         "target_time_s": 0.8, "exact": True} for r in hiccup], sampling=False)
+    generate = report["overall"]["runtimes"]["baseline"]
+    assert generate["aa_spread"] == pytest.approx(2.0 / 2.1) and generate["aa_worst_run"] == pytest.approx(0.05)
+
+
+def test_runtime_table_says_within_noise_which_ran_and_where_chain_and_engine_first_disagree():
+    base = {"category": "c", "accepted": [2, 1], "engine_time_s": 1.0, "draft_time_s": 0.1, "target_time_s": 0.8,
+            "exact": True, "eyas_chain_draft_tokens": 2, "vllm_draft_tokens": 2, "vllm_ordered": True,
+            **_timed("baseline", [2.0, 2.2]), **_timed("spec", [1.0, 1.05]), **_timed("eyas_plain", [1.9, 2.0]),
+            **_timed("eyas_chain", [1.2, 1.25]), **_timed("vllm", [0.9, 0.95])}
+
+    def counters(accepted):
+        return {"steps": len(accepted), "drafts": len(accepted), "draft_tokens": 2 * len(accepted),
+                "accepted_tokens": sum(a - 1 for a in accepted),
+                "accepted_per_position": [sum(a > k + 1 for a in accepted) for k in range(2)]}
+
+    rows = [{**base, "question_id": q, "eyas_chain_accepted": mine, "vllm_accepted": theirs,
+             "eyas_chain_counters": counters(mine), "vllm_counters": counters(theirs)}
+            for q, mine, theirs in [(7, [3, 1, 2], [3, 1, 1]), (8, [2, 3, 1, 2], [2, 3, 2, 2])]]
+    report = {"settings": {"repeats": 2, "engines": {"not_run": {"SGLang": "why, in one line"}}},
+              **summarize(rows, sampling=False)}
+    # question 7's last step may be cut by the token cap: the first disagreement compared is question 8's step 2
+    assert report["overall"]["chain_vs_engine"] == {"engine": "vllm", "steps_agreed": 4, "first": {
+        "question": 8, "step": 2, "token": 6, "eyas_chain": 1, "vllm": 2}}
+    rt = report["overall"]["runtimes"]
+    assert rt["vllm"]["tau"] == rt["eyas_chain"]["tau"] == pytest.approx(14 / 7)  # tokens over steps, each
+    table = format_table(report)
+    assert "ran: generate, eyas, eyas chain-2, eyas plain, vLLM + head" in table
+    assert "not run: SGLang: why, in one line" in table
+    eyas_plain_line = next(line for line in table.splitlines() if line.startswith("eyas plain"))
+    assert "within noise" in eyas_plain_line
+    assert ("eyas chain-2 and vLLM + head first disagree at question 8, step 2 (output token 6): eyas chain-2 gained "
+            "1, vLLM + head 2 (after 4 steps that agreed)") in table
+
+
+def test_cli_sglang_where_it_is_not_installed_runs_the_rest_and_says_why(tmp_path, saved_pair, capsys, monkeypatch):
+    from eyas.inference.cli import main
+
+    monkeypatch.delenv("EYAS_SGLANG_PYTHON", raising=False)
+    q = _write(tmp_path / "q.jsonl", QUESTIONS)
+    assert main(["bench", "--target", str(saved_pair[0]), "--head", str(saved_pair[1]), "--questions", str(q),
+                 "--out", str(tmp_path / "r.json"), "--max-new-tokens", "4", "--limit", "1", "--sglang"]) == 0
+    out = capsys.readouterr().out
+    assert f"not run: SGLang: {ENGINES['sglang'].missing}" in out and "ran: generate, eyas\n" in out
+    report = json.loads((tmp_path / "r.json").read_text())
+    assert report["settings"]["runtimes"] == ["baseline", "spec"]  # no engine ran, so no chain to compare with
+
+
+SGLANG = os.environ.get("EYAS_SGLANG_PYTHON")
+
+
+@pytest.mark.skipif(not SGLANG, reason=f"SGLang is not installed: {ENGINES['sglang'].missing}")
+def test_sglang_runs_beside_eyas_with_its_own_counters(tmp_path, capsys):
+    """SGLang plain and with the head (exported in the sglang layout), alternated with eyas: greedy outputs equal
+    generate's, its counters give tau, and eyas chain-3 runs beside it."""
+    from eyas.inference.cli import main
+    from tests.inference.test_vllm import varied_head, vllm_target
+
+    target = vllm_target(tmp_path / "target")
+    save_head(varied_head(target, 100, fused_layer_ids=(2, 4, 6)), tmp_path / "head")
+    q = _write(tmp_path / "q.jsonl", QUESTIONS)
+    assert main(["bench", "--target", str(tmp_path / "target"), "--head", str(tmp_path / "head"), "--questions",
+                 str(q), "--out", str(tmp_path / "r.json"), "--max-new-tokens", "16", "--dtype", "fp32", "--sglang",
+                 "--draft-tokens", "3", "--eager"]) == 0
+    rt = json.loads((tmp_path / "r.json").read_text())["overall"]["runtimes"]
+    assert {"sglang", "sglang_plain", "eyas_chain"} <= set(rt)
+    assert rt["sglang"]["exact_match_fraction"] == rt["sglang_plain"]["exact_match_fraction"] == 1.0
+    assert rt["sglang"]["counters"]["steps"] > 0 and rt["sglang"]["tau"] >= 1.0
+    assert "SGLang + head" in capsys.readouterr().out
