@@ -9,6 +9,7 @@ import argparse
 import sys
 
 from eyas.models.arguments import (
+    add_compile_option,
     http_url,
     layer_ids,
     non_negative,
@@ -176,6 +177,7 @@ def _device_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="auto", choices=["auto", "fp32", "bf16", "fp16"],
                    help="target dtype (default auto: bf16 on a GPU and on a CPU with native bf16 (AMX, "
                    "AVX512-BF16), else fp32, where bf16 is emulated and slow)")
+    add_compile_option(p)
 
 
 def _part(text: str) -> tuple[int, int]:
@@ -212,7 +214,7 @@ def _launch(args: argparse.Namespace) -> tuple[int, int] | None:
 def _load_target(args: argparse.Namespace):
     from eyas.models import Target
 
-    return Target.load(args.target, dtype=args.dtype, device=args.device)
+    return Target.load(args.target, dtype=args.dtype, device=args.device, compile=args.compile)
 
 
 def _cache_layers(args: argparse.Namespace, target) -> tuple[int, ...]:

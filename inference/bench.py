@@ -147,6 +147,7 @@ def run_bench(
     generate: bool = True,
     note: str | None = None,
     dtype_note: str | None = None,
+    compile: bool = False,
     **tree_options: Any,
 ) -> dict[str, Any]:
     """Benchmark `head` on `target` over `questions`; returns the report (see bench_report.summarize).
@@ -165,6 +166,8 @@ def run_bench(
     decoding, which needs eyas_plain, is the reference for exactness).
     note: a line saying what the run is (a smoke run, say), kept in the settings, shown with the table and plot.
     dtype_note: which dtype runs and why (`auto` resolved on this machine), kept in the settings and shown.
+    compile: the target's decode steps (eyas speculative, chain and plain) through torch.compile (Target), warmed
+    up before the first question so no runtime's time holds the compilation; `generate` runs transformers as it is.
     A first SIGINT/SIGTERM ends the run after the question in hand: the report covers the questions done and its
     settings say `stopped` (the signal, the questions done and left).
     tree_options go to SpeculativeGenerator.from_pretrained (kind, depth, top_k, total_tokens, paths).
@@ -187,7 +190,8 @@ def run_bench(
         torch.set_num_threads(threads)
     try:
         report = _run(target, head, questions, max_new_tokens, temperature, top_p, top_k, dtype, device,
-                      prompt_lookup, eyas_plain, eyas_chain, seed, progress, tree_options, engines, repeats, generate)
+                      prompt_lookup, eyas_plain, eyas_chain, seed, progress, tree_options, engines, repeats, generate,
+                      compile)
     finally:
         torch.set_num_threads(threads_before)
     if note:
@@ -202,10 +206,10 @@ def run_bench(
 def _run(target, head, questions: list[Question], max_new_tokens: int, temperature: float, top_p: float, top_k: int,
          dtype: str, device: str, prompt_lookup: int | None, eyas_plain: bool, eyas_chain: int | None, seed: int,
          progress: bool, tree_options: dict[str, Any], engines: EngineOptions | None = None, repeats: int = 1,
-         generate: bool = True) -> dict:
+         generate: bool = True, compile: bool = False) -> dict:
     from eyas.inference import SpeculativeGenerator, TreeOptions
 
-    target, gen = load_generator(target, head, dtype, device, tree_options)
+    target, gen = load_generator(target, head, dtype, device, tree_options, compile)
     eos = target.eos_ids()
     sampling = temperature > 0
     settings_ = Sampling(temperature, top_p, top_k)  # the same explicit settings on every side
@@ -271,10 +275,11 @@ def _run(target, head, questions: list[Question], max_new_tokens: int, temperatu
             runtimes.update(started)
             drafts.update({name: engines.draft_tokens for name in started if not name.endswith("_plain")})
 
-        # One short warm-up each: first-call costs (allocations, kernel selection) stay out of the numbers.
+        # One warm-up each: first-call costs (allocations, kernel selection) stay out of the numbers; a compiled
+        # target warms up over a whole answer, so the graphs of every kind of step and size are built before.
         warm = prompt_ids(target, questions[0])
         for run in runtimes.values():
-            run(warm, WARMUP_TOKENS, seed)
+            run(warm, max_new_tokens if compile else WARMUP_TOKENS, seed)
 
         bar = tqdm(questions, desc="bench", unit="q", disable=not progress)
         # A first Ctrl-C ends the run after the question in hand and reports the questions done (a second one
@@ -300,7 +305,7 @@ def _run(target, head, questions: list[Question], max_new_tokens: int, temperatu
     tree = asdict(gen.options)
     if gen.planner is not None:  # "auto": the cost model it measured on this machine
         tree["cost_model"] = gen.planner.describe()
-    report = {"settings": settings(target, head, tree=tree, dtype=dtype, max_new_tokens=max_new_tokens,
+    report = {"settings": settings(target, head, tree=tree, dtype=dtype, compile=compile, max_new_tokens=max_new_tokens,
                                    temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
                                    prompt_lookup=prompt_lookup, eyas_plain=eyas_plain, eyas_chain=eyas_chain,
                                    eos_token_ids=eos, questions=len(rows), engines=engine_info, repeats=repeats,
@@ -312,14 +317,15 @@ def _run(target, head, questions: list[Question], max_new_tokens: int, temperatu
 
 
 def load_generator(target: str | Target, head: str | os.PathLike | DraftHead, dtype: str, device: str,
-                   tree_options: dict[str, Any]):
-    """(Target, SpeculativeGenerator): one Target in `dtype` shared by both sides."""
+                   tree_options: dict[str, Any], compile: bool = False):
+    """(Target, SpeculativeGenerator): one Target in `dtype` shared by both sides (compile: loaded with its decode
+    steps compiled; a Target passed in is used as it is)."""
     from eyas.inference import SpeculativeGenerator
     from eyas.models import load_head
     from eyas.models.target import resolve_dtype
 
     if isinstance(target, str):
-        target = Target.load(target, dtype=dtype, device=device)
+        target = Target.load(target, dtype=dtype, device=device, compile=compile)
     elif target.dtype != resolve_dtype(dtype):
         raise ValueError(f"the target given is {target.dtype}, not the requested dtype {dtype!r}: "
                          "load it in that dtype, or pass its spec")

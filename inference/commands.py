@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 from eyas.models.arguments import (
+    add_compile_option,
     int_or_auto,
     non_negative,
     non_negative_float,
@@ -216,6 +217,7 @@ def _add_model_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="auto", choices=["auto", "fp32", "bf16"],
                    help="target and head dtype (default auto: bf16 on a GPU and on a CPU with native bf16 "
                    "(AMX, AVX512-BF16), else fp32; fp32 for greedy output token-identical to generate)")
+    add_compile_option(p)
     add_tree_options(p)
 
 
@@ -247,7 +249,7 @@ def _load_generator(args: argparse.Namespace):
 
     _placement(args)
     return SpeculativeGenerator.from_pretrained(args.target, args.head, dtype=args.dtype, device=args.device,
-                                                **tree_options(args))
+                                                compile=args.compile, **tree_options(args))
 
 
 def _sampling_kwargs(args: argparse.Namespace) -> dict:
@@ -371,7 +373,7 @@ def _bench(args: argparse.Namespace) -> int:
                        eyas_chain=args.draft_tokens if args.eyas_chain or pythons else None, out=args.out,
                        engines=engines,
                        repeats=args.repeats, generate=not args.no_generate, note=args.note,
-                       dtype_note=args.dtype_note, **tree_options(args))
+                       dtype_note=args.dtype_note, compile=args.compile, **tree_options(args))
     print(format_table(report))
     print(f"report: {args.out}\nplot:   {Path(args.out).with_suffix('.png')}")
     if stopped := report["settings"].get("stopped"):

@@ -104,13 +104,15 @@ class SpeculativeGenerator:
 
     @classmethod
     def from_pretrained(cls, target: str | Target, head: str | DraftHead, dtype: str = "fp32",
-                        device: str | torch.device = "cpu", **tree_options) -> "SpeculativeGenerator":
-        """target: a Target (used where it is) or a spec for Target.load; head: a DraftHead or a head folder.
+                        device: str | torch.device = "cpu", compile: bool = False,
+                        **tree_options) -> "SpeculativeGenerator":
+        """target: a Target (used where it is) or a spec for Target.load (compile: its decode steps through
+        torch.compile, see Target); head: a DraftHead or a head folder.
         tree_options: the fields of TreeOptions (kind, depth, top_k, total_tokens, paths, lookup)."""
         from eyas.models import load_head
 
         if isinstance(target, str):
-            target = Target.load(target, dtype=dtype, device=device)
+            target = Target.load(target, dtype=dtype, device=device, compile=compile)
         if isinstance(head, str):
             head = load_head(head, target)
         head.bind(target)

@@ -1,5 +1,6 @@
 """argparse `type=` helpers for the `eyas` commands: a bad value is refused while parsing, naming the option
-and what it accepts (argparse prints `eyas CMD: error: argument --X: ...` and exits 2). No torch here."""
+and what it accepts (argparse prints `eyas CMD: error: argument --X: ...` and exits 2); and the options that
+commands of several packages share. No torch here."""
 
 from __future__ import annotations
 
@@ -86,3 +87,10 @@ def http_url(value: str) -> str:
     if not value.startswith(("http://", "https://")) or " " in value:
         raise argparse.ArgumentTypeError(f"expected a URL like http://localhost:8000/v1, got {value!r}")
     return value
+
+
+def add_compile_option(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--compile", action="store_true",
+                   help="the target's decode steps through torch.compile: faster steps after a warm-up of a few "
+                   "minutes (SmolLM2-135M on 2 CPU cores), so worth it for long runs (bench, regeneration); greedy "
+                   "fp32 output stays token-identical to generate (default: eager)")

@@ -118,10 +118,15 @@ class Target(nn.Module):
     """Frozen wrapper; never trained, never holds gradients."""
 
     def __init__(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase | None, name_or_path: str,
-                 cpu_kernels: bool = True) -> None:
+                 cpu_kernels: bool = True, compile: bool = False) -> None:
         """cpu_kernels: on CPU, run eyas's kernels for few-row forwards (`models/cpu_kernels.py`: the linear
         layers through copies of their weights in fp32, GQA attention without repeated keys; faster
-        multi-token verifies for one extra copy of the weights in memory); False runs the modules as they are."""
+        multi-token verifies for one extra copy of the weights in memory); False runs the modules as they are.
+        compile: decode steps (forwards into a cache that already holds tokens: plain steps, tree verifies,
+        regeneration's steps) run through `torch.compile` of the decoder with frozen weights, so the small ops
+        between the weight reads fuse and inductor prepacks the linears. A kind of step compiles at its first call
+        and once more when a size first changes (it is dynamic from then on: context length, tree size, rows), a
+        minute or two each for SmolLM2-135M on 2 CPU cores. Prefills and the verify-mode check stay eager."""
         super().__init__()
         model.eval().requires_grad_(False)
         self.model = model
@@ -142,6 +147,7 @@ class Target(nn.Module):
         self.logit_projection = CpuLinear(self.lm_head, row_copy=True, enabled=cpu_kernels)  # every logit eyas computes
         self._linears = [CpuLinear(m, enabled=cpu_kernels) for m in self._layers.modules() if type(m) is nn.Linear]
         self._linears.append(self.logit_projection)
+        self._compiled = torch.compile(self.decoder, options={"freezing": True}) if compile else None
 
     # ---- identity and borrowed modules ----------------------------------------------------------
     @property
@@ -303,13 +309,17 @@ class Target(nn.Module):
             if i < self.num_layers:
                 hooks.append(self._layers[i].register_forward_pre_hook(_capture(captured, i), with_kwargs=True))
         writing = cache.writing(position_ids) if cache is not None else contextlib.nullcontext()
-        on_cpu = self.cpu_kernels and self.device.type == "cpu"
+        # compiled: decode steps only; a prefill's shape is new every time and runs once
+        compiled = (self._compiled is not None and not self._checking and cache is not None
+                    and cache.layers[0].is_initialized)
+        decoder = self._compiled if compiled else self.decoder
+        on_cpu = self.cpu_kernels and self.device.type == "cpu" and not compiled
         try:
-            with writing, cpu_linears(self._linears, b * t), cpu_attention(on_cpu, need):
+            with writing, cpu_linears(self._linears if on_cpu else [], b * t), cpu_attention(on_cpu, need):
                 if allowed is not None:
                     mask = self._layer_masks(allowed, position_ids, cache.key_positions(width))
-                out = self.decoder(input_ids=input_ids, attention_mask=mask, position_ids=position_ids, cache=cache,
-                                   use_cache=cache is not None)
+                out = decoder(input_ids=input_ids, attention_mask=mask, position_ids=position_ids, cache=cache,
+                              use_cache=cache is not None)
         finally:
             for h in hooks:
                 h.remove()
@@ -464,16 +474,17 @@ class Target(nn.Module):
     # ---- loading -----------------------------------------------------------------------------
     @classmethod
     def load(cls, spec: str, dtype: str | torch.dtype = "auto", device: str | torch.device | None = None,
-             cpu_kernels: bool = True, decoder: bool = True) -> "Target":
+             cpu_kernels: bool = True, decoder: bool = True, compile: bool = False) -> "Target":
         """From a local HF folder, a `.gguf` file, the alias `smollm2-135m`, or a hub id, loaded straight onto
         `device` (None: CUDA when visible, else CPU; `auto`: split over every visible GPU) in `dtype` (`auto`: bf16
         on a GPU and on a CPU with native bf16, else fp32). decoder=False leaves the decoder layers unloaded, on the
-        meta device: enough for the embedding, the lm_head and `logits` (offline training), not for `forward`."""
+        meta device: enough for the embedding, the lm_head and `logits` (offline training), not for `forward`.
+        compile: decode steps through `torch.compile` (see __init__)."""
         from .loading import load_model_and_tokenizer, placement
 
         device, dtype = placement(device, dtype)
         model, tokenizer, name = load_model_and_tokenizer(spec, resolve_dtype(dtype), device, decoder=decoder)
-        return cls(model, tokenizer, name, cpu_kernels=cpu_kernels)
+        return cls(model, tokenizer, name, cpu_kernels=cpu_kernels, compile=compile)
 
 
 def _safe_vocab(vocab_size: int) -> int:

@@ -1,0 +1,89 @@
+"""A Target with compiled decode steps (`compile=True`) computes what the eager one does: the same step logits and
+features, greedy output token-identical to the model's own `generate` (fp32), samples from its distribution, and
+no new graph once warm, whatever the context length or the tree size. One compiled target for the module:
+compiling costs seconds per graph even for a tiny model."""
+
+import pytest
+import torch
+from torch._dynamo.utils import counters
+
+from eyas.inference import SpeculativeGenerator, TreeOptions
+from eyas.inference.bench import plain_decode
+from eyas.models.masks import after_history
+from eyas.models.sampling import Sampling
+from eyas.models.target import Target
+from tests.helpers.inference import always_accept_first_child, assert_drafts_verified, greedy
+from tests.inference.test_sampling import (
+    PROMPT,
+    SETTINGS,
+    TREE,
+    _setup,
+    min_p_value,
+    reference_samples,
+    settings_of,
+    speculative_samples,
+)
+
+PROMPTS = [PROMPT, [3, 4], [(7 * i) % 16 for i in range(13)]]
+
+
+@pytest.fixture(scope="module")
+def pair():
+    """(eager, compiled, head): two Targets over one tiny model (the sampling tests' target, vocabulary 16)."""
+    eager, head = _setup()
+    compiled = Target(eager.model, eager.tokenizer, eager.name_or_path, compile=True)
+    return eager, compiled, head
+
+
+def _steps(target: Target, layer_ids=(1, 3)) -> list:
+    """A prefill, a plain step and a three-node tree verify (root, two children): each step's logits and features."""
+    cache = target.new_cache(1, 32)
+    out = [target(torch.tensor([PROMPT]), cache=cache, layer_ids=layer_ids)]
+    cache.commit([len(PROMPT)])
+    out.append(target(torch.tensor([[11]]), cache=cache, layer_ids=layer_ids))
+    cache.commit([1])
+    n = len(PROMPT) + 1
+    allowed = after_history(torch.tensor([n]), torch.tensor([[[1, 0, 0], [1, 1, 0], [1, 0, 1]]], dtype=torch.bool),
+                            n + 3)
+    out.append(target(torch.tensor([[12, 13, 14]]), torch.tensor([[n, n + 1, n + 1]]), cache, allowed,
+                      layer_ids=layer_ids))
+    return out
+
+
+def test_compiled_steps_equal_eager_steps(pair):
+    eager, compiled, _ = pair
+    for want, got in zip(_steps(eager), _steps(compiled)):
+        torch.testing.assert_close(got.logits, want.logits, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(got.features, want.features, rtol=1e-5, atol=1e-5)
+
+
+def test_compiled_greedy_is_token_identical_and_compiles_nothing_once_warm(pair):
+    eager, compiled, head = pair
+
+    def run(options: TreeOptions, prompts) -> list:
+        gen = SpeculativeGenerator(compiled, head, options)
+        results = []
+        for prompt in prompts:
+            results.append(gen.generate(prompt, max_new_tokens=12, eos_token_id=[]))
+            assert results[-1].tokens == greedy(eager, prompt, 12)
+            assert plain_decode(compiled, prompt, 12, [], Sampling(0.0), 0) == results[-1].tokens
+        return results
+
+    warm = run(TreeOptions(total_tokens=8), PROMPTS[:1])
+    graphs = counters["stats"]["unique_graphs"]
+    # other context lengths, other tree sizes and depths: shapes the graphs already cover
+    results = warm + run(TreeOptions(total_tokens=5, depth=3), PROMPTS[1:]) + run(TreeOptions(total_tokens=12),
+                                                                                  PROMPTS)
+    assert_drafts_verified(results)
+    assert counters["stats"]["unique_graphs"] == graphs, "a warm compiled target compiled a new graph"
+
+
+@pytest.mark.parametrize("verifier", [None, always_accept_first_child], ids=["exact", "biased-control"])
+def test_compiled_sampling_matches_generate(pair, verifier):
+    _, compiled, head = pair
+    kw = {"verifier": verifier} if verifier else {}
+    spec = speculative_samples(compiled, head, 1500, 3, 1, TREE, **kw, **settings_of(SETTINGS[0]))
+    if verifier is None:
+        assert min_p_value(spec, reference_samples(0)) > 1e-3
+    else:
+        assert min_p_value(spec, reference_samples(0)) < 1e-6
