@@ -1,15 +1,19 @@
-"""Benchmark: what one target forward over k new tokens costs, eyas's Target vs the HF model.
+"""Benchmark: what one target forward over k new tokens costs, against the machine's memory limit.
 
-    python benchmarks/bench_forward.py [--target smollm2-135m] [--context 200] [--repeats 5]
+    python benchmarks/bench_forward.py [--target smollm2-135m] [--dtype fp32 bf16] [--ks 1 4 16] [--profile]
 
-The cost curve a speculative cycle pays for verifying k tokens (the tree root + k - 1 drafts)
-over a cache of --context tokens. Per k, interleaved in one process so machine drift hits all alike:
-- hf: `model(input_ids, cache=...)` with causal attention and logits for all k positions (what a
-  plain transformers verify, e.g. assisted generation, computes).
-- eyas: `Target(...)` with a boolean tree mask (a chain) and logits for all k nodes, as a verify runs.
-- eyas decoder: the same without logits: what is left when the projection is free.
-Each timing is the best of --repeats; the caches are trimmed back to --context after every forward.
-Columns "x k=1" are each variant's cost relative to its own one-token forward.
+A one-token decoding step reads every weight once (and the cache), so its floor is those bytes over the memory
+bandwidth; a verify of k tokens reads the same bytes. Per dtype, interleaved in one process so machine drift
+hits every variant alike, over a cache of --context tokens:
+- transformers: the HF model with its own DynamicCache, causal attention, logits at all k positions;
+- eyas: eyas's Target as generation runs it (k = 1 a plain step, k > 1 a verify with a tree mask, logits at every
+  node), eager, with eyas's CPU kernels (models/cpu_kernels.py);
+- eyas compiled: the same Target with `compile=True` (torch.compile of the model's own decoder; inductor fuses
+  the small ops and prepacks the linears), after its warm-up, whose seconds are printed.
+The memory limit: the bytes one step reads (every parameter except an untied embedding table, of which a step
+reads one row, plus the cache's keys and values at --context) over the read bandwidth measured here with the
+same threads (the fastest of a few streaming reads of a buffer far larger than the caches). `--profile` adds
+the top ops of each variant's one-token step (torch.profiler, self CPU time).
 """
 
 from __future__ import annotations
@@ -20,67 +24,136 @@ from typing import Callable
 
 import torch
 
-KS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
+KS = (1, 2, 4, 8, 16, 32)
+
+
+def read_bandwidth(gib: float = 1.0, repeats: int = 5) -> tuple[float, str]:
+    """(bytes per second, kernel): the fastest read of a `gib` GiB fp32 buffer, far larger than the caches, by
+    any of a few streaming kernels (a sum, a max, a matrix-vector product: what a one-row linear runs), the best
+    of `repeats` each. The highest rate this machine's threads reach makes the strictest limit."""
+    x = torch.ones(int(gib * 2**30) // 4 // 4096, 4096)
+    v = torch.ones(4096)
+    kernels: dict[str, Callable[[], object]] = {"sum": x.sum, "amax": x.amax, "mv": lambda: torch.mv(x, v)}
+    rates = {}
+    for name, fn in kernels.items():
+        fn()  # first touch
+        best = float("inf")
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            fn()
+            best = min(best, time.perf_counter() - t0)
+        rates[name] = x.nbytes / best
+    name = max(rates, key=rates.get)
+    return rates[name], name
+
+
+def step_bytes(target, cache) -> int:
+    """Bytes one forward reads: the parameters (an untied input embedding: one row, left out) and the cache."""
+    embed, head = target.embed_tokens.weight, target.lm_head.weight
+    params = {p.data_ptr(): p.nbytes for p in target.model.parameters()}
+    if embed.data_ptr() != head.data_ptr():
+        params.pop(embed.data_ptr(), None)
+    kv = sum(layer.keys[:, :, :cache.width].nbytes + layer.values[:, :, :cache.width].nbytes
+             for layer in cache.layers if layer.is_initialized)
+    return sum(params.values()) + kv
 
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--target", default="smollm2-135m")
+    p.add_argument("--dtype", nargs="+", default=["fp32", "bf16"], help="target dtypes, one table each")
     p.add_argument("--context", type=int, default=200, help="tokens already in the cache")
-    p.add_argument("--ks", type=int, nargs="+", default=list(KS), help="new tokens per forward")
-    p.add_argument("--repeats", type=int, default=5, help="timings per (variant, k); the best is kept")
+    p.add_argument("--ks", type=int, nargs="+", default=list(KS), help="new tokens per forward (1: a plain step)")
+    p.add_argument("--repeats", type=int, default=20, help="timings per (variant, k); the median is kept")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    p.add_argument("--no-compile", action="store_true", help="leave out the compiled variant")
+    p.add_argument("--profile", action="store_true", help="print each variant's top ops for a one-token step")
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
+    bandwidth, kernel = read_bandwidth()
+    print(f"read bandwidth {bandwidth / 1e9:.1f} GB/s with {torch.get_num_threads()} threads ({kernel})", flush=True)
+    for dtype in args.dtype:
+        measure(args, dtype, bandwidth)
 
+
+def measure(args, dtype: str, bandwidth: float) -> None:
     from transformers import DynamicCache
 
     from eyas.models import Target
     from eyas.models.masks import after_history, causal
 
-    target = Target.load(args.target, dtype="fp32")
+    eager = Target.load(args.target, dtype=dtype, device="cpu")
+    targets = {"eyas": eager}
+    if not args.no_compile:
+        targets["eyas compiled"] = Target(eager.model, eager.tokenizer, eager.name_or_path, compile=True)
     gen = torch.Generator().manual_seed(0)
-    prefix = torch.randint(100, target.vocab_size, (1, args.context), generator=gen)
-    cache = target.new_cache(1, args.context + max(args.ks))
-    target(prefix, cache=cache, logits=False)
-    cache.commit([args.context])
-    hf_cache = DynamicCache(config=target.model.config)
-    target.model(input_ids=prefix, cache=hf_cache, use_cache=True)
+    prefix = torch.randint(100, eager.vocab_size, (1, args.context), generator=gen)
+    caches = {}
+    for name, target in targets.items():
+        caches[name] = target.new_cache(1, args.context + max(args.ks))
+        target(prefix, cache=caches[name], logits=False)
+        caches[name].commit([args.context])
+    hf_cache = DynamicCache(config=eager.model.config)
+    eager.model(input_ids=prefix, cache=hf_cache, use_cache=True)
 
-    def eyas(ids, pos, allowed, logits=True) -> Callable[[], object]:
+    def eyas(name: str, ids, pos, allowed) -> Callable[[], object]:
+        target, cache = targets[name], caches[name]
+
         def run():
-            target(ids, pos, cache, allowed, logits=logits)
+            if allowed is None:  # a plain step: no mask, the logits of its one token
+                target(ids, cache=cache, logits=torch.zeros(1, 1, dtype=torch.long))
+            else:
+                target(ids, pos, cache, allowed)
             cache.rollback()
         return run
 
     def hf(ids, pos) -> Callable[[], object]:
         def run():
-            target.model(input_ids=ids, position_ids=pos, cache=hf_cache, use_cache=True)
+            eager.model(input_ids=ids, position_ids=pos, cache=hf_cache, use_cache=True)
             hf_cache.crop(-ids.shape[1])  # transformers 5 crops by tokens removed, not by the length kept
         return run
 
     rows = []
     for k in args.ks:
-        ids = torch.randint(100, target.vocab_size, (1, k), generator=gen)
+        ids = torch.randint(100, eager.vocab_size, (1, k), generator=gen)
         pos = torch.arange(args.context, args.context + k)[None]
-        allowed = after_history(cache.lengths, causal(k)[None], args.context + k)
-        variants = {"hf": hf(ids, pos), "eyas": eyas(ids, pos, allowed), "eyas decoder": eyas(ids, pos, allowed, False)}
-        best = {name: float("inf") for name in variants}
+        allowed = None if k == 1 else after_history(caches["eyas"].lengths, causal(k)[None], args.context + k)
+        variants = {"transformers": hf(ids, pos), **{n: eyas(n, ids, pos, allowed) for n in targets}}
+        for name, fn in variants.items():  # warm-up (the compiled variant compiles here)
+            t0 = time.perf_counter()
+            fn()
+            fn()
+            if name == "eyas compiled":
+                print(f"{dtype} k={k}: compiled warm-up {time.perf_counter() - t0:.1f} s", flush=True)
+        took = {name: [] for name in variants}
         for _ in range(args.repeats):
             for name, fn in variants.items():
                 t0 = time.perf_counter()
                 fn()
-                best[name] = min(best[name], time.perf_counter() - t0)
-        rows.append((k, best))
-        print(f"k={k:3d}  " + "  ".join(f"{n} {1e3 * s:7.1f} ms" for n, s in best.items()), flush=True)
+                took[name].append(time.perf_counter() - t0)
+        rows.append((k, {n: sorted(v)[len(v) // 2] for n, v in took.items()}))
 
-    base = rows[0][1]
-    print(f"\ncontext {args.context} tokens, {torch.get_num_threads()} threads, best of {args.repeats}")
-    print(f"{'k':>3}  {'hf ms':>7}  {'x k=1':>6}  {'eyas ms':>7}  {'x k=1':>6}  {'decoder ms':>10}  {'eyas/hf':>7}")
-    for k, b in rows:
-        print(f"{k:3d}  {1e3 * b['hf']:7.1f}  {b['hf'] / base['hf']:6.2f}  {1e3 * b['eyas']:7.1f}  "
-              f"{b['eyas'] / base['eyas']:6.2f}  {1e3 * b['eyas decoder']:10.1f}  {b['eyas'] / b['hf']:7.2f}")
+    limit = step_bytes(eager, caches["eyas"]) / bandwidth
+    names = list(rows[0][1])
+    print(f"\n{dtype}: {args.target}, context {args.context}, {torch.get_num_threads()} threads, median of "
+          f"{args.repeats}; memory limit {1e3 * limit:.1f} ms per forward ({1 / limit:.1f} tok/s at one token)")
+    print(f"{'k':>3}  " + "  ".join(f"{n + ' ms':>17}" for n in names) + "  " +
+          "  ".join(f"{n + ' % limit':>22}" for n in names[1:]))
+    for k, m in rows:
+        print(f"{k:3d}  " + "  ".join(f"{1e3 * m[n]:17.1f}" for n in names) + "  " +
+              "  ".join(f"{100 * limit / m[n]:22.0f}" for n in names[1:]))
+    if args.profile:
+        from torch.profiler import ProfilerActivity, profile
+
+        tok = torch.randint(100, eager.vocab_size, (1, 1), generator=gen)
+        for name in ["transformers", *targets]:
+            fn = hf(tok, torch.tensor([[args.context]])) if name == "transformers" else eyas(name, tok, None, None)
+            with profile(activities=[ProfilerActivity.CPU]) as prof:
+                for _ in range(10):
+                    fn()
+            print(f"\n{dtype} {name}: one-token step, 10 steps")
+            print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12))
 
 
 if __name__ == "__main__":

@@ -13,7 +13,8 @@
 6. one training step of a random Llama-3.1-8B-shaped target (online, bf16) at 2048 and 4096 tokens: peak memory
    (torch.cuda.max_memory_allocated) against eyas.models.memory's prediction;
 7. one speculative generation of that target: draft / target / overhead time per cycle and host syncs counted
-   (torch.cuda.set_sync_debug_mode).
+   (torch.cuda.set_sync_debug_mode);
+8. compiled decode steps (`Target(compile=True)`): greedy identity, and plain-step tok/s eager vs compiled.
 Every line says PASS or FAIL; the exit status is the number of failures.
 """
 
@@ -314,6 +315,35 @@ def cycle_split(ctx: Context) -> str:
     return (f"{config.name_or_path} {dtype}, 512-token prompt, 64 new tokens in {cycles} cycles: per cycle draft "
             f"{1e3 * stats.draft_time_s / cycles:.1f} ms, target {1e3 * target_decode / cycles:.1f} ms, overhead "
             f"{1e3 * overhead / cycles:.1f} ms; host syncs {syncs}")
+
+
+@check
+def compiled_steps(ctx: Context) -> str:
+    from eyas.inference import SpeculativeGenerator, TreeOptions
+    from eyas.inference.bench import plain_decode
+    from eyas.models import Target
+    from eyas.models.sampling import Sampling
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    eager = ctx.tiny_target("llama")
+    compiled = Target(eager.model, eager.tokenizer, eager.name_or_path, compile=True)
+    head = ctx.head(eager)
+    refs = [own_greedy(eager, p, 24) for p in PROMPTS]
+    gen = SpeculativeGenerator(compiled, head, TreeOptions(total_tokens=16, top_k=4, depth=5))
+    got = [gen.generate(p, max_new_tokens=24, eos_token_id=[]).tokens for p in PROMPTS]  # warms the graphs up
+    assert got == refs, "compiled decode steps changed greedy output"
+    rates = {}
+    for name, target in (("eager", eager), ("compiled", compiled)):
+        plain_decode(target, PROMPTS[0], 16, [], Sampling(0.0), 0)
+        synchronize = torch.cuda.synchronize if ctx.device.type == "cuda" else (lambda: None)
+        synchronize()
+        t0 = time.perf_counter()
+        plain_decode(target, PROMPTS[0], 128, [], Sampling(0.0), 0)
+        synchronize()
+        rates[name] = 128 / (time.perf_counter() - t0)
+    torch.backends.cuda.matmul.allow_tf32 = True
+    return (f"greedy identical; plain steps of a tiny llama: eager {rates['eager']:.0f} tok/s, compiled "
+            f"{rates['compiled']:.0f} tok/s ({rates['compiled'] / rates['eager']:.2f}x)")
 
 
 def main(argv: list[str] | None = None) -> int:
