@@ -141,7 +141,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="the share of proposals that may differ (engines round otherwise than eyas: near-ties)")
     p.add_argument("--vllm-python", default=None, metavar="PYTHON",
                    help="python of the environment vLLM is installed in (default: $EYAS_VLLM_PYTHON)")
-    p.add_argument("--compile", action="store_true",
+    p.add_argument("--engine-compile", action="store_true",
                    help="let vLLM compile its graphs (minutes at start on a CPU); without it the engine runs eager")
     p.add_argument("--out", default=None, metavar="JSON", help="also write the result as JSON")
     p.set_defaults(func=_check_served)
@@ -414,7 +414,7 @@ def _check_served(args: argparse.Namespace) -> int:
     model = vllm_model(args.engine_model or args.target)
     settings = EngineSettings(eos_token_ids=tuple(target.eos_ids()), num_speculative_tokens=args.draft_tokens,
                               threads=torch.get_num_threads(), max_model_len=max_model_len(target),
-                              enforce_eager=not args.compile, kv_cache_gib=1)
+                              enforce_eager=not args.engine_compile, kv_cache_gib=1)
     with tempfile.TemporaryDirectory(prefix="eyas-check-served-") as tmp:
         served = args.served or export_for("vllm", args.head, Path(tmp) / "served", target)
         print(f"eyas check-served: {len(prompts)} questions through vLLM serving {model} with {served}",

@@ -147,7 +147,15 @@ class Target(nn.Module):
         self.logit_projection = CpuLinear(self.lm_head, row_copy=True, enabled=cpu_kernels)  # every logit eyas computes
         self._linears = [CpuLinear(m, enabled=cpu_kernels) for m in self._layers.modules() if type(m) is nn.Linear]
         self._linears.append(self.logit_projection)
-        self._compiled = torch.compile(self.decoder, options={"freezing": True}) if compile else None
+        self._compiled = None
+        self._captured: dict[int, torch.Tensor] = {}  # every layer's input, when compiled (see forward)
+        if compile:
+            # A compiled graph does not see hooks added after it was traced (dynamo skips hook guards), so the
+            # per-call hooks that capture the fused layers' states would be silently left out of a graph traced
+            # without them: compiled, every layer's input is captured by hooks that stay, in every graph.
+            for i, layer in enumerate(self._layers):
+                layer.register_forward_pre_hook(_capture(self._captured, i), with_kwargs=True)
+            self._compiled = torch.compile(self.decoder, options={"freezing": True})
 
     # ---- identity and borrowed modules ----------------------------------------------------------
     @property
@@ -306,7 +314,7 @@ class Target(nn.Module):
         for i in layer_ids:
             if not 0 <= i <= self.num_layers:
                 raise ValueError(f"layer id {i} out of range 0..{self.num_layers}")
-            if i < self.num_layers:
+            if i < self.num_layers and self._compiled is None:
                 hooks.append(self._layers[i].register_forward_pre_hook(_capture(captured, i), with_kwargs=True))
         writing = cache.writing(position_ids) if cache is not None else contextlib.nullcontext()
         # compiled: decode steps only; a prefill's shape is new every time and runs once
@@ -323,6 +331,8 @@ class Target(nn.Module):
         finally:
             for h in hooks:
                 h.remove()
+            captured.update({i: self._captured[i] for i in layer_ids if i in self._captured})
+            self._captured.clear()
         hidden = out.last_hidden_state
         captured[self.num_layers] = hidden
         if any(captured[i].shape != hidden.shape for i in layer_ids):
