@@ -162,6 +162,7 @@ GEN = ("generate", "--target", "{target}", "--head", "{head}", "--prompt", "w1 w
 CHAT = ("chat", "--target", "{target}", "--head", "{head}", "--max-new-tokens", "2")
 BENCH = ("bench", "--target", "{target}", "--head", "{head}", "--questions", "{questions}", "--out",
          "{t}/report.json", "--max-new-tokens", "2", "--total-tokens", "4", "--depth", "2")
+CHECK = ("check-served", "--target", "{target}", "--head", "{head}", "--limit", "1")
 EXPORT = ("export", "{head}", "--out", "{t}/out")
 PREP = ("data", "prepare", "--target", "{target}", "--source", "{chats}", "--out", "{t}/ex")
 REGEN = ("data", "regenerate", "--target", "{target}", "--source", "{chats}", "--out", "{t}/out.jsonl",
@@ -278,6 +279,10 @@ CASES: list[Case] = [
     Case("chat-head-missing", swap(CHAT, "{head}", "{t}/nohead"), r"nohead"),
     Case("chat-no-chat-template", swap(CHAT, "{target}", TARGET_DIR), r"no chat template.*generate --raw",
          copy("target", "tgt", no_chat_template)),
+    # -- check-served --------------------------------------------------------------------------------------
+    Case("check-served-limit-0", with_(CHECK, "--limit", "0"), r"--limit.*at least 1"),
+    Case("check-served-draft-tokens-0", with_(CHECK, "--draft-tokens", "0"), r"--draft-tokens.*at least 1"),
+    Case("check-served-tolerance-above-1", with_(CHECK, "--tolerance", "2"), r"--tolerance.*\[0, 1\]"),
     # -- bench ---------------------------------------------------------------------------------------------
     Case("bench-no-out", with_(BENCH, drop=("--out",)), r"required: --out"),
     Case("bench-questions-missing", with_(BENCH, "--questions", "{t}/q.jsonl"), r"q\.jsonl"),
