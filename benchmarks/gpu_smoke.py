@@ -333,9 +333,9 @@ def compiled_steps(ctx: Context) -> str:
     got = [gen.generate(p, max_new_tokens=24, eos_token_id=[]).tokens for p in PROMPTS]  # warms the graphs up
     assert got == refs, "compiled decode steps changed greedy output"
     rates = {}
+    synchronize = torch.cuda.synchronize if ctx.device.type == "cuda" else (lambda: None)
     for name, target in (("eager", eager), ("compiled", compiled)):
         plain_decode(target, PROMPTS[0], 16, [], Sampling(0.0), 0)
-        synchronize = torch.cuda.synchronize if ctx.device.type == "cuda" else (lambda: None)
         synchronize()
         t0 = time.perf_counter()
         plain_decode(target, PROMPTS[0], 128, [], Sampling(0.0), 0)

@@ -124,9 +124,9 @@ class Target(nn.Module):
         multi-token verifies for one extra copy of the weights in memory); False runs the modules as they are.
         compile: decode steps (forwards into a cache that already holds tokens: plain steps, tree verifies,
         regeneration's steps) run through `torch.compile` of the decoder with frozen weights, so the small ops
-        between the weight reads fuse and inductor prepacks the linears. A kind of step compiles at its first call
-        and once more when a size first changes (it is dynamic from then on: context length, tree size, rows), a
-        minute or two each for SmolLM2-135M on 2 CPU cores. Prefills and the verify-mode check stay eager."""
+        between the weight reads fuse (the one-row products stay `aten::mm`). A kind of step compiles at its first
+        call and once more when a size first changes (it is dynamic from then on: context length, tree size,
+        rows), a minute or two each for SmolLM2-135M on 2 CPU cores. Prefills and the verify-mode check stay eager."""
         super().__init__()
         model.eval().requires_grad_(False)
         self.model = model
@@ -323,7 +323,7 @@ class Target(nn.Module):
         decoder = self._compiled if compiled else self.decoder
         on_cpu = self.cpu_kernels and self.device.type == "cpu" and not compiled
         try:
-            with writing, cpu_linears(self._linears if on_cpu else [], b * t), cpu_attention(on_cpu, need):
+            with writing, cpu_linears([] if compiled else self._linears, b * t), cpu_attention(on_cpu, need):
                 if allowed is not None:
                     mask = self._layer_masks(allowed, position_ids, cache.key_positions(width))
                 out = decoder(input_ids=input_ids, attention_mask=mask, position_ids=position_ids, cache=cache,
