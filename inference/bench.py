@@ -210,6 +210,7 @@ def _run(target, head, questions: list[Question], max_new_tokens: int, temperatu
     from eyas.inference import SpeculativeGenerator, TreeOptions
 
     target, gen = load_generator(target, head, dtype, device, tree_options, compile)
+    compile = target.compiled  # a Target passed in is used as it is
     eos = target.eos_ids()
     sampling = temperature > 0
     settings_ = Sampling(temperature, top_p, top_k)  # the same explicit settings on every side

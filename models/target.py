@@ -260,6 +260,11 @@ class Target(nn.Module):
         self._kinds = kinds
         return kinds
 
+    @property
+    def compiled(self) -> bool:
+        """Whether decode steps run through torch.compile (`compile=True`)."""
+        return self._compiled is not None
+
     # ---- forward -----------------------------------------------------------------------------
     def new_cache(self, batch: int, capacity: int) -> KVCache:
         """An empty cache for `batch` rows of up to `capacity` tokens each."""
