@@ -123,10 +123,11 @@ class Target(nn.Module):
         layers through copies of their weights in fp32, GQA attention without repeated keys; faster
         multi-token verifies for one extra copy of the weights in memory); False runs the modules as they are.
         compile: decode steps (forwards into a cache that already holds tokens: plain steps, tree verifies,
-        regeneration's steps) run through `torch.compile` of the decoder with frozen weights, so the small ops
-        between the weight reads fuse (the one-row products stay `aten::mm`). A kind of step compiles at its first
+        regeneration's steps) run through `torch.compile` of the decoder with frozen weights (`_inductor_settings`):
+        the small ops between the weight reads fuse, the products that share an input are fused, and each product
+        runs the fastest of inductor's GEMM templates and aten's for its shape. A kind of step compiles at its first
         call and once more when a size first changes (it is dynamic from then on: context length, tree size,
-        rows), a minute or two each for SmolLM2-135M on 2 CPU cores. Prefills and the verify-mode check stay eager."""
+        rows), about a minute each for SmolLM2-135M on 2 CPU cores. Prefills and the verify-mode check stay eager."""
         super().__init__()
         model.eval().requires_grad_(False)
         self.model = model
@@ -155,7 +156,7 @@ class Target(nn.Module):
             # without them: compiled, every layer's input is captured by hooks that stay, in every graph.
             for i, layer in enumerate(self._layers):
                 layer.register_forward_pre_hook(_capture(self._captured, i), with_kwargs=True)
-            self._compiled = torch.compile(self.decoder, options={"freezing": True})
+            self._compiled = torch.compile(self.decoder)
 
     # ---- identity and borrowed modules ----------------------------------------------------------
     @property
@@ -327,8 +328,9 @@ class Target(nn.Module):
                     and cache.layers[0].is_initialized)
         decoder = self._compiled if compiled else self.decoder
         on_cpu = self.cpu_kernels and self.device.type == "cpu" and not compiled
+        settings = _inductor_settings(self.device) if compiled else contextlib.nullcontext()
         try:
-            with writing, cpu_linears([] if compiled else self._linears, b * t), cpu_attention(on_cpu, need):
+            with writing, settings, cpu_linears([] if compiled else self._linears, b * t), cpu_attention(on_cpu, need):
                 if allowed is not None:
                     mask = self._layer_masks(allowed, position_ids, cache.key_positions(width))
                 out = decoder(input_ids=input_ids, attention_mask=mask, position_ids=position_ids, cache=cache,
@@ -506,6 +508,23 @@ def _safe_vocab(vocab_size: int) -> int:
     """Checks draw token ids below this: low ids are ordinary tokens in every tokenizer, where the top of a
     vocabulary holds special ones (a multimodal model's image token would make its forward expect an image)."""
     return min(vocab_size, 1000)
+
+
+def _inductor_settings(device: torch.device):
+    """Inductor's settings while a compiled step runs (and compiles): they are read when a graph compiles, which
+    is at a call, and `torch.compile(options=...)` does not reach the freezing switch, so they are set around
+    every call. Freezing turns the frozen target's weights into constants, which lets inductor prepack them and
+    fuse the products that share an input (q/k/v, gate/up); max-autotune then times its own GEMM templates (on
+    CPU micro-kernels on AMX / AVX-512 / AVX2, which read a one-row product's weights near the memory bandwidth
+    where aten's bf16 product does not use the bf16 units) against aten's and keeps the faster, per shape."""
+    import torch._inductor.config as inductor
+
+    settings = {"freezing": True, "max_autotune": True, "cpp.enable_concat_linear": True}
+    if device.type == "cpu":
+        # cpp_wrapper: the graph's ~10 kernel calls per layer are made from C++, not Python (~1.3 ms of a
+        # SmolLM2-135M step)
+        settings.update(max_autotune_gemm_backends="CPP,ATEN", cpp_wrapper=True)
+    return inductor.patch(settings)
 
 
 def _capture(store: dict[int, torch.Tensor], i: int):
