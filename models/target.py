@@ -21,7 +21,7 @@ import hashlib
 import json
 import logging
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Iterator, Sequence
 
 import torch
 from torch import nn
@@ -123,7 +123,7 @@ class Target(nn.Module):
         layers through copies of their weights in fp32, GQA attention without repeated keys; faster
         multi-token verifies for one extra copy of the weights in memory); False runs the modules as they are.
         compile: decode steps (forwards into a cache that already holds tokens: plain steps, tree verifies,
-        regeneration's steps) run through `torch.compile` of the decoder with frozen weights (`_inductor_settings`):
+        regeneration's steps) run through `torch.compile` of the decoder with frozen weights (`_compiling`):
         the small ops between the weight reads fuse, the products that share an input are fused, and each product
         runs the fastest of inductor's GEMM templates and aten's for its shape. A kind of step compiles at its first
         call and once more when a size first changes (it is dynamic from then on: context length, tree size,
@@ -328,7 +328,7 @@ class Target(nn.Module):
                     and cache.layers[0].is_initialized)
         decoder = self._compiled if compiled else self.decoder
         on_cpu = self.cpu_kernels and self.device.type == "cpu" and not compiled
-        settings = _inductor_settings(self.device) if compiled else contextlib.nullcontext()
+        settings = _compiling(self.device) if compiled else contextlib.nullcontext()
         try:
             with writing, settings, cpu_linears([] if compiled else self._linears, b * t), cpu_attention(on_cpu, need):
                 if allowed is not None:
@@ -510,21 +510,31 @@ def _safe_vocab(vocab_size: int) -> int:
     return min(vocab_size, 1000)
 
 
-def _inductor_settings(device: torch.device):
-    """Inductor's settings while a compiled step runs (and compiles): they are read when a graph compiles, which
-    is at a call, and `torch.compile(options=...)` does not reach the freezing switch, so they are set around
-    every call. Freezing turns the frozen target's weights into constants, which lets inductor prepack them and
-    fuse the products that share an input (q/k/v, gate/up); max-autotune then times its own GEMM templates (on
-    CPU micro-kernels on AMX / AVX-512 / AVX2, which read a one-row product's weights near the memory bandwidth
-    where aten's bf16 product does not use the bf16 units) against aten's and keeps the faster, per shape."""
+RECOMPILE_LIMIT = 64  # dynamo graphs per decoder code object in a process (see _compiling)
+
+
+@contextlib.contextmanager
+def _compiling(device: torch.device) -> Iterator[None]:
+    """torch.compile's settings while a compiled step runs (and compiles): they are read when a graph compiles,
+    which is at a call, and `torch.compile(options=...)` does not reach inductor's freezing switch, so they are
+    set around every call. Freezing turns the frozen target's weights into constants, which lets inductor
+    prepack them and fuse the products that share an input (q/k/v, gate/up); max-autotune then times its own
+    GEMM templates (on CPU micro-kernels on AMX / AVX-512 / AVX2, which read a one-row product's weights near the
+    memory bandwidth where aten's bf16 product does not use the bf16 units) against aten's and keeps the faster,
+    per shape. Dynamo's recompile limit counts the graphs of every compiled Target over one model class in the
+    process (each kind of step, static then dynamic); past its default of 8 a new kind would silently run eager."""
+    import torch._dynamo.config as dynamo
     import torch._inductor.config as inductor
 
-    settings = {"freezing": True, "max_autotune": True, "cpp.enable_concat_linear": True}
+    settings = {"freezing": True, "max_autotune": True, "cpp.enable_concat_linear": True,
+                # the timings of every choice, printed to stderr for each product shape otherwise
+                "autotune_num_choices_displayed": 0, "max_autotune_report_choices_stats": False}
     if device.type == "cpu":
         # cpp_wrapper: the graph's ~10 kernel calls per layer are made from C++, not Python (~1.3 ms of a
         # SmolLM2-135M step)
         settings.update(max_autotune_gemm_backends="CPP,ATEN", cpp_wrapper=True)
-    return inductor.patch(settings)
+    with inductor.patch(settings), dynamo.patch(recompile_limit=RECOMPILE_LIMIT):
+        yield
 
 
 def _capture(store: dict[int, torch.Tensor], i: int):

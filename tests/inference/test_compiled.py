@@ -88,3 +88,19 @@ def test_compiled_sampling_matches_generate(pair, verifier):
         assert min_p_value(spec, reference_samples(0)) > 1e-3
     else:
         assert min_p_value(spec, reference_samples(0)) < 1e-6
+
+
+def test_compiled_step_runs_no_aten_products(pair):
+    """eyas's inductor settings reach the compile (they are read when a graph compiles, at a call): a step's
+    products run inductor's GEMM templates or prepacked products, never aten's products over the weights, which is
+    what a graph compiled with inductor's defaults runs."""
+    _, compiled, _ = pair
+    cache = compiled.new_cache(1, 32)
+    compiled(torch.tensor([PROMPT]), cache=cache, logits=False)
+    cache.commit([len(PROMPT)])
+    for _ in range(2):  # compiled (or taken from the module's earlier graphs), then profiled
+        with torch.profiler.profile() as prof:
+            compiled(torch.tensor([[11]]), cache=cache, logits=False)
+        cache.rollback()
+    ran = {event.key for event in prof.key_averages()}
+    assert not ran & {"aten::mm", "aten::addmm", "aten::linear", "aten::matmul"}, sorted(ran)
