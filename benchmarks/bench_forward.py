@@ -8,8 +8,8 @@ hits every variant alike, over a cache of --context tokens:
 - transformers: the HF model with its own DynamicCache, causal attention, logits at all k positions;
 - eyas: eyas's Target as generation runs it (k = 1 a plain step, k > 1 a verify with a tree mask, logits at every
   node), eager, with eyas's CPU kernels (models/cpu_kernels.py);
-- eyas compiled: the same Target with `compile=True` (torch.compile of the model's own decoder; inductor fuses
-  the small ops between the products), after its warm-up, whose seconds are printed.
+- eyas compiled: the same Target with `compile=True` (torch.compile of the model's own decoder with frozen
+  weights: inductor's GEMM templates, fused small ops), after its warm-up, whose seconds are printed.
 The memory limit: the bytes one step reads (every parameter except an untied embedding table, of which a step
 reads one row, plus the cache's keys and values at --context) over the read bandwidth measured here with the
 same threads (the fastest of a few streaming reads of a buffer far larger than the caches). `--profile` adds
