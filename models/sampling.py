@@ -132,7 +132,9 @@ def choose(logits: torch.Tensor, s: Sampling,
     generator: one for all rows, or one per row of a [B, V] input (each row reproducible on its own);
     generators must live on the logits' device."""
     if s.greedy:
-        return logits.argmax(-1)
+        # max's indices are argmax's (the first of equal maxima; a NaN's where a row holds one), 3-5x faster on CPU
+        # over a vocabulary (49152 bf16 logits: 36 vs 156 us a row), which a verify pays at every node
+        return logits.max(-1).indices
     p = distribution(logits, s)
     flat = p.reshape(-1, p.shape[-1])
     if isinstance(generator, list):

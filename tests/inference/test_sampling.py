@@ -13,7 +13,7 @@ from eyas.inference.acceptance import penalized
 from eyas.inference.tree import DraftTree
 from eyas.models import DraftHead, head_config_for
 from eyas.models.drafters import NAMES
-from eyas.models.sampling import Sampling
+from eyas.models.sampling import Sampling, choose
 from eyas.models.sampling import distribution as target_distribution
 from tests.helpers.families import FAMILIES, POST_PROCESSING, family_target
 from tests.helpers.inference import NO_EOS, OracleHead, always_accept_first_child, greedy
@@ -237,3 +237,14 @@ def test_top_k_and_top_p_shape_p():
     assert (p[0, :2] > 0).all() and (p[0, 2:] == 0).all()
     with pytest.raises(ValueError, match="top_p"):
         Sampling(1.0, top_p=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_greedy_choice_is_argmax_on_ties_and_nan(dtype):
+    """generate's greedy pick is torch.argmax: the first of equal maxima, a NaN's index where a row holds one."""
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randint(0, 4, (64, 3001), generator=gen).to(dtype)  # every row full of ties
+    logits[5, 1234] = float("nan")
+    logits[7] = 2.0
+    for x in (logits, logits.t().contiguous().t(), logits[:, None]):
+        assert torch.equal(choose(x, Sampling()), x.argmax(-1))
