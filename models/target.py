@@ -20,6 +20,7 @@ import contextlib
 import hashlib
 import json
 import logging
+import weakref
 from dataclasses import dataclass
 from typing import Iterator, Sequence
 
@@ -127,7 +128,9 @@ class Target(nn.Module):
         the small ops between the weight reads fuse, the products that share an input are fused, and each product
         runs the fastest of inductor's GEMM templates and aten's for its shape. A kind of step compiles at its first
         call and once more when a size first changes (it is dynamic from then on: context length, tree size,
-        rows), about a minute each for SmolLM2-135M on 2 CPU cores. Prefills and the verify-mode check stay eager."""
+        rows), about a minute each for SmolLM2-135M on 2 CPU cores. Prefills and the verify-mode check stay eager.
+        The graphs assume the model's modules stay as loaded (eyas swaps parts only inside its eager calls; the
+        weights are frozen into the graphs): a step checks its inputs and the weights' identity, not the modules."""
         super().__init__()
         model.eval().requires_grad_(False)
         self.model = model
@@ -151,12 +154,11 @@ class Target(nn.Module):
         self._compiled = None
         self._captured: dict[int, torch.Tensor] = {}  # every layer's input, when compiled (see forward)
         if compile:
-            # A compiled graph does not see hooks added after it was traced (dynamo skips hook guards), so the
-            # per-call hooks that capture the fused layers' states would be silently left out of a graph traced
-            # without them: compiled, every layer's input is captured by hooks that stay, in every graph.
-            for i, layer in enumerate(self._layers):
-                layer.register_forward_pre_hook(_capture(self._captured, i), with_kwargs=True)
-            self._compiled = torch.compile(self.decoder)
+            # A compiled graph does not see hooks added after it was traced (dynamo does not guard the modules'
+            # hooks), so the per-call hooks that capture the fused layers' states would be silently left out of a
+            # graph traced without them: compiled, every layer's input is captured by hooks that stay, in every graph.
+            self._captured = _layer_inputs(self._layers)
+            self._compiled = torch.compile(self.decoder, options={"guard_filter_fn": _frozen_module_guards})
 
     # ---- identity and borrowed modules ----------------------------------------------------------
     @property
@@ -535,6 +537,31 @@ def _compiling(device: torch.device) -> Iterator[None]:
         settings.update(max_autotune_gemm_backends="CPP,ATEN", cpp_wrapper=True)
     with inductor.patch(settings), dynamo.patch(recompile_limit=RECOMPILE_LIMIT):
         yield
+
+
+def _frozen_module_guards(entries: Sequence) -> list[bool]:
+    """Which of dynamo's guards a compiled step keeps: every guard on its inputs (the tokens, positions, masks, the
+    cache and its tensors) and on global state, and of the guards on the frozen target's modules only those on the
+    identity of its weights. The frozen graphs hold the weights as constants, so the identity is what tells one
+    model's graphs from another's of the same class (each recompiles, none runs another's weights); the thousands
+    of guards on the modules' structure (hook dicts, attribute types, config values) check what a Target never
+    changes, and evaluating them cost ~0.5 ms a step (SmolLM2-135M), a twentieth of a bf16 step."""
+    return [not e.orig_guard.source.is_unspecialized_nn_module()
+            or (e.guard_type == "ID_MATCH" and e.has_value and isinstance(e.value, torch.Tensor)) for e in entries]
+
+
+_LAYER_INPUTS: "weakref.WeakKeyDictionary[nn.Module, dict[int, torch.Tensor]]" = weakref.WeakKeyDictionary()
+
+
+def _layer_inputs(layers: nn.ModuleList) -> dict[int, torch.Tensor]:
+    """Where hooks that stay capture each decoder layer's input: one store and one set of hooks per model, so that
+    every compiled Target over a model (which share its graphs, hooks included) reads what its forward captured."""
+    if layers not in _LAYER_INPUTS:
+        store: dict[int, torch.Tensor] = {}
+        for i, layer in enumerate(layers):
+            layer.register_forward_pre_hook(_capture(store, i), with_kwargs=True)
+        _LAYER_INPUTS[layers] = store
+    return _LAYER_INPUTS[layers]
 
 
 def _capture(store: dict[int, torch.Tensor], i: int):

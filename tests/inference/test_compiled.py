@@ -13,10 +13,12 @@ from eyas.models.masks import after_history
 from eyas.models.sampling import Sampling
 from eyas.models.target import Target
 from tests.helpers.inference import always_accept_first_child, assert_drafts_verified, greedy
+from tests.helpers.tiny import tiny_target
 from tests.inference.test_sampling import (
     PROMPT,
     SETTINGS,
     TREE,
+    VOCAB,
     _setup,
     min_p_value,
     reference_samples,
@@ -56,6 +58,21 @@ def test_compiled_steps_equal_eager_steps(pair):
     for want, got in zip(_steps(eager), _steps(compiled)):
         torch.testing.assert_close(got.logits, want.logits, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(got.features, want.features, rtol=1e-5, atol=1e-5)
+
+
+def test_compiled_targets_share_graphs_only_where_they_share_weights(pair):
+    """Models of one class share dynamo's graphs per code; a frozen graph holds one model's weights, so a second model
+    of the class (same shapes, other weights) runs graphs of its own, not the first one's, and two compiled Targets
+    over one model share its graphs and read their own steps' features."""
+    _, compiled, _ = pair
+    _steps(compiled)
+    other = tiny_target("llama", vocab_size=VOCAB, seed=1)
+    want = _steps(other)
+    for _ in range(2):
+        got = _steps(Target(other.model, other.tokenizer, other.name_or_path, compile=True))
+        for w, g in zip(want, got):
+            torch.testing.assert_close(g.logits, w.logits, rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(g.features, w.features, rtol=1e-5, atol=1e-5)
 
 
 def test_compiled_greedy_is_token_identical_and_compiles_nothing_once_warm(pair):
