@@ -545,7 +545,7 @@ def _frozen_module_guards(entries: Sequence) -> list[bool]:
     identity of its weights. The frozen graphs hold the weights as constants, so the identity is what tells one
     model's graphs from another's of the same class (each recompiles, none runs another's weights); the thousands
     of guards on the modules' structure (hook dicts, attribute types, config values) check what a Target never
-    changes, and evaluating them cost ~0.5 ms a step (SmolLM2-135M), a twentieth of a bf16 step."""
+    changes, and evaluating them cost ~0.5 ms of a ~14 ms bf16 SmolLM2-135M decoding step."""
     return [not e.orig_guard.source.is_unspecialized_nn_module()
             or (e.guard_type == "ID_MATCH" and e.has_value and isinstance(e.value, torch.Tensor)) for e in entries]
 
