@@ -9,7 +9,8 @@ A batch of sequences of different lengths (regeneration's slots) pays a third: e
 reads the cache up to the longest row. Rows are attended in groups, each over only the columns some
 row of it can see (`ragged_spans`, `cpu_attention(need=...)`).
 In bf16 a CPU with native bf16 instructions (AMX, AVX512-BF16) runs F.linear's one-row product without them,
-slower than fp32 although it reads half the bytes; a oneDNN-prepacked bf16 copy uses them at every row count.
+slower than fp32 although it reads half the bytes; eyas's one-row kernel (row_gemv.py) reads the weight near the
+memory bandwidth, and a oneDNN-prepacked bf16 copy uses the bf16 units at several rows.
 All take effect only for the duration of a Target forward and only where they apply (CPU, fp32 or natively
 computed bf16 for the linears, the model's attention going through transformers' "sdpa" entry); anywhere else the
 model's own code runs, so every target still works unmodified. The model's configuration is never
@@ -28,6 +29,8 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+from . import row_gemv
 
 
 @functools.cache
@@ -48,11 +51,12 @@ class CpuLinear:
     over 2..16 tokens costs far more than one token although the weights are read once either way
     (SmolLM2-135M, decoder layers alone: 2 rows 1.35-1.7x one row; its 49152x576 lm_head 2 rows
     76 -> 35 ms). A oneDNN-prepacked copy of the weight keeps a few rows near the cost of one.
-    One row stays with F.linear (a GEMV) or, with `row_copy`, a contiguous [in, out] copy (~2x
-    faster than F.linear for the lm_head's one-row product). Copies are built on first use
+    One fp32 row stays with F.linear (a GEMV) or, with `row_copy`, a contiguous [in, out] copy (~2x
+    faster than F.linear for the lm_head's one-row product); one bf16 row runs eyas's one-row kernel
+    (row_gemv.py) on the weight itself where the CPU has AVX512-BF16. Copies are built on first use
     (one extra copy of the weight each) and rebuilt when the weight changes place, version or
-    shape. Anywhere else (GPU, bf16, a hooked or sharded layer, a torch without oneDNN) the
-    module itself runs, so every target still works unmodified.
+    shape. Anywhere else (GPU, bf16 without native bf16 units, a hooked or sharded layer, a torch
+    without oneDNN) the module itself runs, so every target still works unmodified.
     """
 
     def __init__(self, module: nn.Module, row_copy: bool = False, enabled: bool = True) -> None:
@@ -87,11 +91,14 @@ class CpuLinear:
 
     def kernel(self, rows: int):
         """eyas's product for an input of `rows` rows (x -> y, a drop-in for the module's forward), or None
-        where the module itself is best or must run: prepacked for several rows (bf16: for any), the [in, out]
-        copy for one row of an fp32 row_copy layer; otherwise F.linear's GEMV."""
+        where the module itself is best or must run: prepacked for several rows, eyas's one-row kernel for one bf16
+        row (prepacked where it is not available), the [in, out] copy for one row of an fp32 row_copy layer;
+        otherwise F.linear's GEMV."""
         bf16 = self.module.weight.dtype == torch.bfloat16
         if not ((rows > 1 or self.row_copy or bf16) and self.applies()):
             return None
+        if bf16 and rows == 1 and self.module.weight.is_contiguous() and row_gemv.available():
+            return functools.partial(_one_bf16_row, weight=self.module.weight.detach(), bias=self.module.bias)
         self.prepare()
         if rows > 1 or bf16:
             return functools.partial(_packed_linear, packed=self.packed, bias=self.module.bias)
@@ -125,6 +132,12 @@ def cpu_linears(linears: Sequence[CpuLinear], rows: int):
 
 def _packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     return _PACKED(x, packed, bias, "none", [], "")
+
+
+def _one_bf16_row(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x [..., in] holding one bf16 row, weight [out, in] -> [..., out] through eyas's one-row kernel."""
+    y = row_gemv.row_gemv(x, [weight])
+    return y if bias is None else y + bias
 
 
 def _row_product(x: torch.Tensor, weight_t: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

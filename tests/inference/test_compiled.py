@@ -9,6 +9,7 @@ from torch._dynamo.utils import counters
 
 from eyas.inference import SpeculativeGenerator, TreeOptions
 from eyas.inference.bench import plain_decode
+from eyas.models import row_gemv
 from eyas.models.masks import after_history
 from eyas.models.sampling import Sampling
 from eyas.models.target import Target
@@ -121,3 +122,25 @@ def test_compiled_step_runs_no_aten_products(pair):
         cache.rollback()
     ran = {event.key for event in prof.key_averages()}
     assert not ran & {"aten::mm", "aten::addmm", "aten::linear", "aten::matmul"}, sorted(ran)
+
+
+@pytest.mark.skipif(not row_gemv.available(), reason="eyas::row_gemv needs a CPU with AVX512-BF16")
+def test_compiled_bf16_step_runs_one_row_products_through_eyas_kernel():
+    """On a CPU with AVX512-BF16 a compiled bf16 plain step's products run eyas's one-row kernel (the inductor pass
+    in row_gemv.py reaches the compile), and the step computes what the eager one does up to bf16 rounding."""
+    eager = tiny_target("llama", vocab_size=VOCAB, dtype=torch.bfloat16)
+    compiled = Target(eager.model, eager.tokenizer, eager.name_or_path, compile=True)
+    steps = []
+    for target in (eager, compiled):
+        cache = target.new_cache(1, 32)
+        target(torch.tensor([PROMPT]), cache=cache, logits=False)
+        cache.commit([len(PROMPT)])
+        out = target(torch.tensor([[11]]), cache=cache)
+        cache.rollback()
+        with torch.profiler.profile() as prof:  # the decoder's products alone: no logits (their own kernel)
+            target(torch.tensor([[11]]), cache=cache, logits=False)
+        cache.rollback()
+        steps.append((out.logits.float(), {event.key for event in prof.key_averages()}))
+    (want, _), (got, ran) = steps
+    assert "eyas::row_gemv" in ran and not ran & {"aten::mm", "aten::addmm", "aten::linear"}, sorted(ran)
+    torch.testing.assert_close(got, want, rtol=2 ** -5, atol=2 ** -5 * float(want.abs().max()))

@@ -1,0 +1,146 @@
+"""eyas's one-row product of bf16 weights on CPU (`row_gemv.cpp`), and the inductor pass that runs a compiled step's
+one-row products through it.
+
+A decoding step multiplies one row by every weight once, so its cost is the weights' read. On CPUs with AVX512-BF16,
+torch's bf16 products (oneDNN's, inductor's GEMM templates) read a one-row product's weight at ~75% of the memory
+bandwidth; eyas's kernel streams it near the bandwidth and takes the products that share an input (q/k/v, gate/up) in
+one call. It is built on first use by torch's C++ extension loader (the compiler a compiled step needs anyway, and
+ninja), once per machine and source; on a CPU without AVX512-BF16, or where the build fails (logged once),
+`available()` is False and every product runs torch's kernels as before.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import operator
+from collections import defaultdict
+from pathlib import Path
+from typing import Sequence
+
+import torch
+from torch import fx
+
+logger = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("row_gemv.cpp")
+_aten = torch.ops.aten
+
+
+@functools.cache
+def available() -> bool:
+    """Whether eyas::row_gemv runs here: an AVX512-BF16 CPU and the kernel built (on the first call)."""
+    # the machine's own flags, read where tests that play other CPUs (monkeypatching torch.cpu) do not reach
+    probe = getattr(torch._C._cpu, "_get_cpu_capability", None)
+    if probe is None or not probe().get("avx512_bf16"):
+        return False
+    from torch.utils import cpp_extension
+
+    logger.info("loading eyas's bf16 one-row kernel (built once per machine and source, ~10 s)")
+    try:
+        cpp_extension.load("eyas_row_gemv", [str(SOURCE)], extra_cflags=["-O3", "-fopenmp"],
+                           extra_ldflags=["-fopenmp"], is_python_module=False)
+    except Exception as e:  # no compiler or ninja, a failed build: torch's products stay
+        logger.warning("eyas's bf16 one-row kernel is not available (%s); bf16 steps use torch's products",
+                       str(e).splitlines()[0] if str(e) else type(e).__name__)
+        return False
+    torch.library.register_fake("eyas::row_gemv")(_row_gemv_shape)
+    return True
+
+
+def _row_gemv_shape(x: torch.Tensor, weights: Sequence[torch.Tensor]) -> torch.Tensor:
+    return x.new_empty((*x.shape[:-1], sum(w.shape[0] for w in weights)))
+
+
+def row_gemv(x: torch.Tensor, weights: Sequence[torch.Tensor]) -> torch.Tensor:
+    """x [..., K] holding one row, weights [N_i, K] contiguous bf16 -> [..., sum N_i]: x times each weight, in order
+    (what `torch.cat([F.linear(x, w) for w in weights], -1)` computes, accumulated in fp32). Needs `available()`."""
+    return torch.ops.eyas.row_gemv(x, list(weights))
+
+
+def _one_row_product(node: fx.Node) -> tuple[fx.Node, fx.Node, fx.Node | None] | None:
+    """(x, weight, bias) of a graph node computing one bf16 row times a transposed [N, K] weight (`mm(x [1, K],
+    permute(w))`, `addmm(bias, x, permute(w))`), the form a linear layer takes in an aten graph; else None."""
+    if node.target is _aten.mm.default:
+        (x, wt), bias = node.args, None
+    elif node.target is _aten.addmm.default and not node.kwargs:
+        bias, x, wt = node.args
+    else:
+        return None
+    if not (isinstance(x, fx.Node) and isinstance(wt, fx.Node) and wt.target in (_aten.permute.default, _aten.t.default)
+            and (wt.target is _aten.t.default or list(wt.args[1]) == [1, 0])):
+        return None
+    weight = wt.args[0]
+    # weights (and biases) the graph takes as inputs: the parameters, which freezing makes constants
+    if not all(isinstance(n, fx.Node) and n.op == "placeholder" for n in (weight, bias or weight)):
+        return None
+    xv, wv = x.meta.get("val"), weight.meta.get("val")
+    if xv is None or wv is None:
+        return None
+    shapes_fixed = all(isinstance(s, int) for s in (*xv.shape, *wv.shape))
+    if not (shapes_fixed and xv.dim() == 2 and xv.shape[0] == 1 and wv.dim() == 2 and xv.dtype == torch.bfloat16
+            and wv.dtype == torch.bfloat16 and xv.device.type == "cpu" and wv.is_contiguous()):
+        return None
+    return x, weight, bias
+
+
+def _viewed(node: fx.Node) -> fx.Node:
+    """The node whose data `node` views through reshapes (each linear layer reshapes its input itself)."""
+    while node.op == "call_function" and node.target in _VIEWS:
+        node = node.args[0]
+    return node
+
+
+_VIEWS = (_aten.view.default, _aten.reshape.default, _aten._unsafe_view.default)
+
+
+def rewrite_one_row_products(graph: fx.Graph) -> int:
+    """Replace the graph's one-row bf16 products by eyas::row_gemv, one call per input shared by several products (its
+    output sliced per product, a bias added after); returns how many products it replaced. Run before inductor freezes
+    the weights: a product there still reads its weight as an input."""
+    groups: dict[fx.Node, list] = defaultdict(list)  # by the tensor each product's row is a view of
+    for node in graph.nodes:
+        if node.op == "call_function" and (found := _one_row_product(node)) is not None:
+            groups[_viewed(found[0])].append((node, *found))
+    if not groups or not available():
+        return 0
+    fake_mode = torch._guards.detect_fake_mode([products[0][1].meta["val"] for products in groups.values()])
+    replaced = 0
+    for products in groups.values():
+        x = products[0][1]  # each product's own view of one row: any of them reads the same data
+        weights = [weight for _, _, weight, _ in products]
+        with graph.inserting_before(products[0][0]), fake_mode:
+            y = graph.call_function(torch.ops.eyas.row_gemv.default, (x, weights))
+            y.meta["val"] = row_gemv(x.meta["val"], [w.meta["val"] for w in weights])
+            start = 0
+            for node, _, weight, bias in products:
+                end = start + weight.meta["val"].shape[0]
+                out = graph.call_function(_aten.slice.Tensor, (y, 1, start, end))
+                out.meta["val"] = y.meta["val"][:, start:end]
+                if bias is not None:
+                    out = graph.call_function(_aten.add.Tensor, (out, bias))
+                    out.meta["val"] = operator.add(y.meta["val"][:, start:end], bias.meta["val"])
+                node.replace_all_uses_with(out)
+                start = end
+        for node, *_ in products:  # after the insertions, which go before the first of them
+            graph.erase_node(node)
+        replaced += len(products)
+    graph.eliminate_dead_code()
+    return replaced
+
+
+@functools.cache
+def one_row_pass():
+    """The inductor pass (`joint_custom_pre_pass`) that rewrites a graph's one-row bf16 products (see
+    `rewrite_one_row_products`); its uuid keys inductor's cache of compiled graphs on this file and the kernel's
+    source."""
+    from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
+
+    class OneRowProducts(CustomGraphPass):
+        def __call__(self, graph: fx.Graph) -> None:
+            rewrite_one_row_products(graph)
+
+        def uuid(self) -> bytes:
+            return get_hash_for_files((__file__, str(SOURCE)))
+
+    return OneRowProducts()

@@ -1,0 +1,81 @@
+"""eyas's one-row bf16 kernel (models/row_gemv.py): what it computes, and the graph pass that hands it a compiled
+step's one-row products. The kernel runs only on CPUs with AVX512-BF16; elsewhere those tests skip and the pass must
+leave every graph as it is."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.fx.experimental.proxy_tensor import make_fx
+
+from eyas.models import row_gemv
+
+needs_kernel = pytest.mark.skipif(not row_gemv.available(), reason="eyas::row_gemv needs a CPU with AVX512-BF16")
+
+
+def _reference(x: torch.Tensor, weights) -> torch.Tensor:
+    return torch.cat([x.float() @ w.float().T for w in weights], -1)
+
+
+def _assert_bf16_close(got: torch.Tensor, want: torch.Tensor) -> None:
+    """Equal up to bf16 rounding of the result (the sums are fp32 in another order)."""
+    assert got.dtype == torch.bfloat16 and got.shape == want.shape
+    torch.testing.assert_close(got.float(), want.float(), rtol=2 ** -7, atol=2 ** -7 * float(want.abs().max()))
+
+
+@needs_kernel
+@pytest.mark.parametrize("k", [576, 40, 1000, 31])  # a multiple of the 32-lane step, and tails of every length class
+def test_row_gemv_equals_the_products_it_replaces(k):
+    gen = torch.Generator().manual_seed(k)
+    weights = [torch.randn(n, k, generator=gen).bfloat16() for n in (7, 192, 1, 33)]  # odd rows: a block's tail
+    x = torch.randn(1, 1, k, generator=gen).bfloat16()
+    y = row_gemv.row_gemv(x, weights)
+    _assert_bf16_close(y, _reference(x, weights))
+    # a weight's rows that differ from its neighbours' land in their own columns, in order
+    _assert_bf16_close(row_gemv.row_gemv(x, weights[1:2]), y[..., 7:199])
+
+
+@needs_kernel
+def test_row_gemv_rejects_what_it_cannot_compute():
+    x = torch.randn(2, 64).bfloat16()
+    with pytest.raises(RuntimeError, match="one row"):
+        row_gemv.row_gemv(x, [torch.randn(8, 64).bfloat16()])
+    with pytest.raises(RuntimeError, match="contiguous bf16"):
+        row_gemv.row_gemv(x[:1], [torch.randn(64, 8).bfloat16().T])
+
+
+def _layer(x, w_q, w_k, w_o, bias):
+    """Two products of one row (one with a bias) and a third of another: a layer's shape in miniature."""
+    h = F.linear(x, w_q) + F.linear(x, w_k, bias)
+    return F.linear(torch.tanh(h), w_o)
+
+
+def _traced(dtype: torch.dtype, rows: int):
+    gen = torch.Generator().manual_seed(0)
+    args = [torch.randn(rows, 64, generator=gen), torch.randn(48, 64, generator=gen),
+            torch.randn(48, 64, generator=gen), torch.randn(24, 48, generator=gen), torch.randn(48, generator=gen)]
+    args = [a.to(dtype) for a in args]
+    return make_fx(_layer, tracing_mode="fake")(*args), args
+
+
+def _products(gm) -> int:
+    return sum(n.target in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default) for n in gm.graph.nodes)
+
+
+@needs_kernel
+def test_pass_rewrites_one_row_bf16_products_one_call_per_shared_input():
+    gm, args = _traced(torch.bfloat16, rows=1)
+    want = _layer(*args)
+    assert _products(gm) == 3
+    assert row_gemv.rewrite_one_row_products(gm.graph) == 3
+    gm.recompile()
+    calls = [n for n in gm.graph.nodes if n.target is torch.ops.eyas.row_gemv.default]
+    assert _products(gm) == 0 and len(calls) == 2  # x's two products in one call, tanh(h)'s in another
+    _assert_bf16_close(gm(*args), want)
+
+
+@pytest.mark.parametrize("dtype,rows", [(torch.float32, 1), (torch.bfloat16, 3)])
+def test_pass_leaves_other_products_alone(dtype, rows):
+    """fp32 products, and products of several rows (a verify's), keep torch's kernels, on every CPU."""
+    gm, _ = _traced(dtype, rows)
+    assert row_gemv.rewrite_one_row_products(gm.graph) == 0
+    assert _products(gm) == 3
