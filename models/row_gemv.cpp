@@ -1,10 +1,11 @@
 // eyas::row_gemv: one input row times bf16 weights on CPUs with AVX512-BF16, at the memory bandwidth.
 //
-// A decoding step multiplies one row by every weight matrix once, so its products are reads of the weights. oneDNN's
-// and inductor's bf16 kernels reach ~75% of the read bandwidth at one row on a 2-core Xeon (a kernel shaped for many
-// rows); this one streams each weight once with prefetches far enough ahead to hide DRAM latency (~95%, measured in
-// benchmarks/bench_forward.py), and takes several weights that share the input in one call (q/k/v, gate/up), so they
-// share one parallel region and no weight is concatenated or copied.
+// A decoding step multiplies one row by every weight matrix once, so its products are reads of the weights. At one
+// row, on a 2-core Xeon reading ~30 GB/s, oneDNN's bf16 product reads a weight at ~21 GB/s and inductor's GEMM
+// template at ~24 (kernels shaped for many rows); this one streams each weight once with prefetches far enough ahead
+// to hide the DRAM latency (25-31 GB/s on one large weight, 27 on the lm_head, ~25 on a model's weights one after
+// another: docs/design/cpu-kernels.md), and takes several weights that share the input in one call (q/k/v,
+// gate/up), so they share one parallel region and no weight is concatenated or copied.
 //
 //   x [..., K] holding one row (bf16), weights: [N_i, K] contiguous bf16  ->  [..., sum N_i] bf16 (fp32 accumulation)
 

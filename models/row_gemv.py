@@ -2,10 +2,11 @@
 one-row products through it.
 
 A decoding step multiplies one row by every weight once, so its cost is the weights' read. On CPUs with AVX512-BF16,
-torch's bf16 products (oneDNN's, inductor's GEMM templates) read a one-row product's weight at ~75% of the memory
-bandwidth; eyas's kernel streams it near the bandwidth and takes the products that share an input (q/k/v, gate/up) in
-one call. It is built on first use by torch's C++ extension loader (the compiler a compiled step needs anyway, and
-ninja), once per machine and source; on a CPU without AVX512-BF16, or where the build fails (logged once),
+torch's bf16 products (oneDNN's, inductor's GEMM templates) are shaped for many rows and read a one-row product's
+weight at 70-80% of the memory bandwidth; eyas's kernel streams it with prefetches ahead of the DRAM latency (up to
+the bandwidth on one large weight) and takes the products that share an input (q/k/v, gate/up) in one call. It is
+built on first use by torch's C++ extension loader (the compiler a compiled step needs anyway, and ninja), once per
+machine, torch release and source; on a CPU without AVX512-BF16, or where the build fails (logged once),
 `available()` is False and every product runs torch's kernels as before.
 """
 
@@ -14,6 +15,7 @@ from __future__ import annotations
 import functools
 import logging
 import operator
+import re
 from collections import defaultdict
 from pathlib import Path
 from typing import Sequence
@@ -36,10 +38,12 @@ def available() -> bool:
         return False
     from torch.utils import cpp_extension
 
-    logger.info("loading eyas's bf16 one-row kernel (built once per machine and source, ~10 s)")
+    logger.info("loading eyas's bf16 one-row kernel (built once per machine, torch release and source, ~10 s)")
+    # one build per torch release: a cached library links against the torch that built it
+    name = "eyas_row_gemv_" + re.sub(r"\W", "_", torch.__version__)
     try:
-        cpp_extension.load("eyas_row_gemv", [str(SOURCE)], extra_cflags=["-O3", "-fopenmp"],
-                           extra_ldflags=["-fopenmp"], is_python_module=False)
+        cpp_extension.load(name, [str(SOURCE)], extra_cflags=["-O3", "-fopenmp"], extra_ldflags=["-fopenmp"],
+                           is_python_module=False)
     except Exception as e:  # no compiler or ninja, a failed build: torch's products stay
         logger.warning("eyas's bf16 one-row kernel is not available (%s); bf16 steps use torch's products",
                        str(e).splitlines()[0] if str(e) else type(e).__name__)
