@@ -53,12 +53,14 @@ at::Tensor row_gemv(const at::Tensor& x, at::TensorList weights) {
   TORCH_CHECK(!weights.empty(), "eyas::row_gemv: no weights");
   std::vector<int64_t> first_block{0};  // per weight: its first block in the blocks of all weights
   std::vector<int64_t> first_out{0};    // per weight: its first output column
+  std::vector<const uint16_t*> data;    // per weight: its first element
   for (const auto& w : weights) {
     TORCH_CHECK(w.device().is_cpu() && w.scalar_type() == at::kBFloat16 && w.dim() == 2 && w.size(1) == K &&
                     w.is_contiguous(),
                 "eyas::row_gemv: weights must be contiguous bf16 [N, ", K, "] on CPU, got ", w.sizes());
     first_block.push_back(first_block.back() + (w.size(0) + kBlock - 1) / kBlock);
     first_out.push_back(first_out.back() + w.size(0));
+    data.push_back(reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>()));
   }
   auto sizes = x.sizes().vec();
   sizes.back() = first_out.back();
@@ -73,9 +75,8 @@ at::Tensor row_gemv(const at::Tensor& x, at::TensorList weights) {
     for (int64_t b = begin; b < end; ++b) {
       while (b >= first_block[i + 1]) ++i;
       const int64_t row = (b - first_block[i]) * kBlock;
-      const int64_t rows = std::min<int64_t>(kBlock, weights[i].size(0) - row);
-      const auto* w = reinterpret_cast<const uint16_t*>(weights[i].data_ptr<at::BFloat16>()) + row * K;
-      dot_block(w, xp, K, rows, out);
+      const int64_t rows = std::min<int64_t>(kBlock, first_out[i + 1] - first_out[i] - row);
+      dot_block(data[i] + row * K, xp, K, rows, out);
       for (int64_t r = 0; r < rows; ++r) yp[first_out[i] + row + r] = at::BFloat16(out[r]);
     }
   });
