@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import operator
 import re
 from collections import defaultdict
 from pathlib import Path
@@ -122,8 +121,9 @@ def rewrite_one_row_products(graph: fx.Graph) -> int:
                 out = graph.call_function(_aten.slice.Tensor, (y, 1, start, end))
                 out.meta["val"] = y.meta["val"][:, start:end]
                 if bias is not None:
+                    out_val = out.meta["val"] + bias.meta["val"]
                     out = graph.call_function(_aten.add.Tensor, (out, bias))
-                    out.meta["val"] = operator.add(y.meta["val"][:, start:end], bias.meta["val"])
+                    out.meta["val"] = out_val
                 node.replace_all_uses_with(out)
                 start = end
         for node, *_ in products:  # after the insertions, which go before the first of them
