@@ -1,6 +1,6 @@
 """Benchmark: what one target forward over k new tokens costs, against the machine's memory limit.
 
-    python benchmarks/bench_forward.py [--target smollm2-135m] [--dtype fp32 bf16] [--ks 1 4 16] [--profile]
+    python benchmarks/bench_forward.py [--target smollm2-135m] [--dtype fp32 bf16] [--ks 1 4 16] [--profile] [--pieces]
 
 A one-token decoding step reads every weight once (and the cache), so its floor is those bytes over the memory
 bandwidth; a verify of k tokens reads the same bytes. Per dtype, interleaved in one process so machine drift
@@ -13,7 +13,10 @@ hits every variant alike, over a cache of --context tokens:
 The memory limit: the bytes one step reads (every parameter except an untied embedding table, of which a step
 reads one row, plus the cache's keys and values at --context) over the read bandwidth measured here with the
 same threads (the fastest of a few streaming reads of a buffer far larger than the caches). `--profile` adds
-the top ops of each variant's one-token step (torch.profiler, self CPU time).
+the top ops of each variant's one-token step (torch.profiler, self CPU time). `--pieces` splits the compiled
+variant's forward, per k, into the compiled decoder call, the inductor graph inside it (the rest of the call is
+torch.compile's frame entry, guard check and wrappers), the logits, and the Target's own code around them (wall
+clock, medians, no profiler).
 """
 
 from __future__ import annotations
@@ -68,6 +71,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--no-compile", action="store_true", help="leave out the compiled variant")
     p.add_argument("--profile", action="store_true", help="print each variant's top ops for a one-token step")
+    p.add_argument("--pieces", action="store_true",
+                   help="split the compiled variant's forward into decoder call, its graph, logits and the rest")
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -114,7 +119,7 @@ def measure(args, dtype: str, bandwidth: float) -> None:
             hf_cache.crop(-ids.shape[1])  # transformers 5 crops by tokens removed, not by the length kept
         return run
 
-    rows = []
+    rows, split = [], []
     for k in args.ks:
         ids = torch.randint(100, eager.vocab_size, (1, k), generator=gen)
         pos = torch.arange(args.context, args.context + k)[None]
@@ -133,6 +138,8 @@ def measure(args, dtype: str, bandwidth: float) -> None:
                 fn()
                 took[name].append(time.perf_counter() - t0)
         rows.append((k, {n: sorted(v)[len(v) // 2] for n, v in took.items()}))
+        if args.pieces and "eyas compiled" in targets:
+            split.append((k, pieces(targets["eyas compiled"], variants["eyas compiled"], args.repeats)))
 
     limit = step_bytes(eager, caches["eyas"]) / bandwidth
     names = list(rows[0][1])
@@ -143,6 +150,11 @@ def measure(args, dtype: str, bandwidth: float) -> None:
     for k, m in rows:
         print(f"{k:3d}  " + "  ".join(f"{1e3 * m[n]:17.1f}" for n in names) + "  " +
               "  ".join(f"{100 * limit / m[n]:22.0f}" for n in names[1:]))
+    if split:
+        print(f"\n{dtype} eyas compiled, where a forward goes (ms, medians of {args.repeats})")
+        print(f"{'k':>3}  " + "  ".join(f"{n:>14}" for n in split[0][1]))
+        for k, m in split:
+            print(f"{k:3d}  " + "  ".join(f"{1e3 * v:14.2f}" for v in m.values()))
     if args.profile:
         from torch.profiler import ProfilerActivity, profile
 
@@ -154,6 +166,39 @@ def measure(args, dtype: str, bandwidth: float) -> None:
                     fn()
             print(f"\n{dtype} {name}: one-token step, 10 steps")
             print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12))
+
+
+def pieces(target, run: Callable[[], object], repeats: int) -> dict[str, float]:
+    """Medians (s) of a compiled Target's forward and its parts over `repeats` calls of `run`: the whole forward,
+    the compiled decoder call, the inductor graph inside it (timed at inductor's compiled-graph call), the logits,
+    and what is left (the Target's own code). The timers are wrapped around the parts for these calls only."""
+    import statistics
+
+    from torch._inductor.output_code import CompiledFxGraph
+
+    took: dict[str, list[float]] = {"forward": [], "decoder call": [], "graph": [], "logits": []}
+
+    def timed(name: str, fn: Callable) -> Callable:
+        def wrapper(*a, **kw):
+            t0 = time.perf_counter()
+            out = fn(*a, **kw)
+            took[name].append(time.perf_counter() - t0)
+            return out
+        return wrapper
+
+    graph_call, decoder, logits = CompiledFxGraph.__call__, target._compiled, target.logits
+    CompiledFxGraph.__call__ = timed("graph", graph_call)
+    vars(target)["_compiled"] = timed("decoder call", decoder)  # shadows the registered submodule
+    target.logits = timed("logits", logits)
+    try:
+        for _ in range(repeats):
+            timed("forward", run)()
+    finally:
+        CompiledFxGraph.__call__ = graph_call
+        del vars(target)["_compiled"], target.logits
+    m = {name: statistics.median(v) if v else 0.0 for name, v in took.items()}
+    m["rest"] = m["forward"] - m["decoder call"] - m["logits"]
+    return m
 
 
 if __name__ == "__main__":
