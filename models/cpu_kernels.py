@@ -8,11 +8,12 @@ make that cost far more than one token although the weights and the cache are re
 A batch of sequences of different lengths (regeneration's slots) pays a third: every row's attention
 reads the cache up to the longest row. Rows are attended in groups, each over only the columns some
 row of it can see (`ragged_spans`, `cpu_attention(need=...)`).
-In bf16 a CPU with native bf16 instructions (AMX, AVX512-BF16) runs F.linear's one-row product without them,
-slower than fp32 although it reads half the bytes; eyas's one-row kernel (row_gemv.py) reads the weight near the
-memory bandwidth, and a oneDNN-prepacked bf16 copy uses the bf16 units at several rows.
-All take effect only for the duration of a Target forward and only where they apply (CPU, fp32 or natively
-computed bf16 for the linears, the model's attention going through transformers' "sdpa" entry); anywhere else the
+In bf16 F.linear's one-row product is slower than fp32's although it reads half the bytes (on CPUs with native
+bf16 instructions, AMX or AVX512-BF16, it does not use them); eyas's one-row kernel (row_gemv.py, any x86 CPU with
+AVX2) reads the weight near the memory bandwidth, and where the CPU has native bf16 a oneDNN-prepacked bf16 copy
+uses those units at several rows.
+All take effect only for the duration of a Target forward and only where they apply (CPU, fp32 or bf16 for the
+linears, the model's attention going through transformers' "sdpa" entry); anywhere else the
 model's own code runs, so every target still works unmodified. The model's configuration is never
 touched: models that branch on `config._attn_implementation` keep their own code path.
 """
@@ -53,10 +54,10 @@ class CpuLinear:
     76 -> 35 ms). A oneDNN-prepacked copy of the weight keeps a few rows near the cost of one.
     One fp32 row stays with F.linear (a GEMV) or, with `row_copy`, a contiguous [in, out] copy (~2x
     faster than F.linear for the lm_head's one-row product); one bf16 row runs eyas's one-row kernel
-    (row_gemv.py) on the weight itself where the CPU has AVX512-BF16. Copies are built on first use
+    (row_gemv.py) on the weight itself on any x86 CPU with AVX2. Copies are built on first use
     (one extra copy of the weight each) and rebuilt when the weight changes place, version or
-    shape. Anywhere else (GPU, bf16 without native bf16 units, a hooked or sharded layer, a torch
-    without oneDNN) the module itself runs, so every target still works unmodified.
+    shape. Anywhere else (GPU, several bf16 rows without native bf16 units, a hooked or sharded
+    layer, a torch without oneDNN) the module itself runs, so every target still works unmodified.
     """
 
     def __init__(self, module: nn.Module, row_copy: bool = False, enabled: bool = True) -> None:
@@ -74,7 +75,7 @@ class CpuLinear:
         w = getattr(m, "weight", None)
         # Sharded weights (DeepSpeed ZeRO-3, FSDP2) are only whole inside the module's own call.
         return (type(m) is nn.Linear and w is not None and w.device.type == "cpu"
-                and (w.dtype == torch.float32 or (w.dtype == torch.bfloat16 and native_bf16() is not None))
+                and w.dtype in (torch.float32, torch.bfloat16)
                 and torch.backends.mkldnn.is_available()
                 and type(w.data) is torch.Tensor and not hasattr(w, "ds_id")
                 # hooks (accelerate offloading, user hooks) expect the module to be called
@@ -99,6 +100,8 @@ class CpuLinear:
             return None
         if bf16 and rows == 1 and self.module.weight.is_contiguous() and row_gemv.available():
             return functools.partial(_one_bf16_row, weight=self.module.weight.detach(), bias=self.module.bias)
+        if bf16 and native_bf16() is None:  # oneDNN would emulate bf16 through fp32 as F.linear does
+            return None
         self.prepare()
         if rows > 1 or bf16:
             return functools.partial(_packed_linear, packed=self.packed, bias=self.module.bias)

@@ -1,11 +1,16 @@
-// eyas::row_gemv: one input row times bf16 weights on CPUs with AVX512-BF16, at the memory bandwidth.
+// eyas::row_gemv: one input row times bf16 weights on x86 CPUs, at the memory bandwidth.
 //
 // A decoding step multiplies one row by every weight matrix once, so its products are reads of the weights. At one
 // row, on a 2-core Xeon reading ~30 GB/s, oneDNN's bf16 product reads a weight at ~21 GB/s and inductor's GEMM
-// template at ~24 (kernels shaped for many rows); this one streams each weight once with prefetches far enough ahead
-// to hide the DRAM latency (25-31 GB/s on one large weight, 27 on the lm_head, ~25 on a model's weights one after
-// another: docs/design/cpu-kernels.md), and takes several weights that share the input in one call (q/k/v,
+// template at ~24 (kernels shaped for many rows), and on CPUs without bf16 instructions torch's one-row bf16 product
+// is slower than fp32's although it reads half the bytes; this one streams each weight once with prefetches far
+// enough ahead to hide the DRAM latency (25-31 GB/s on one large weight, 27 on the lm_head, ~25 on a model's weights
+// one after another: docs/design/cpu-kernels.md), and takes several weights that share the input in one call (q/k/v,
 // gate/up), so they share one parallel region and no weight is concatenated or copied.
+//
+// One source, built for the machine's vector instructions (row_gemv.py passes the -m flags and names the library by
+// them): AVX512-BF16 multiplies bf16 pairs directly; AVX-512 and AVX2 widen each bf16 to fp32 (a shift: bf16 is the
+// high half of an fp32) and use fp32 FMAs, which at one row cost far less than the weight's read.
 //
 //   x [..., K] holding one row (bf16), weights: [N_i, K] contiguous bf16  ->  [..., sum N_i] bf16 (fp32 accumulation)
 
@@ -14,36 +19,94 @@
 #include <immintrin.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cstdint>
+#include <cstring>
 #include <vector>
 
 namespace {
 
-constexpr int64_t kBlock = 2;        // weight rows per inner block: two independent accumulator chains
+// One ISA's step over kLanes bf16 of a weight row and of x: `load_x` once per step (shared by the block's rows),
+// `fma` per row into that row's accumulator, `sum` at the end. The widening ISAs split a step into the elements at
+// even and odd places (a shift and a mask of the same load, no shuffle): a dot product does not care which pairs
+// with which as long as w and x are split alike.
+#if defined(__AVX512BF16__)
+constexpr int64_t kLanes = 32;
+struct X { __m512bh v; };
+struct Acc { __m512 v = _mm512_setzero_ps(); };
+inline X load_x(const uint16_t* x) { return {(__m512bh)_mm512_loadu_si512(x)}; }
+inline void fma(Acc& a, const uint16_t* w, const X& x) {
+  a.v = _mm512_dpbf16_ps(a.v, (__m512bh)_mm512_loadu_si512(w), x.v);
+}
+inline float sum(const Acc& a) { return _mm512_reduce_add_ps(a.v); }
+#elif defined(__AVX512F__)
+constexpr int64_t kLanes = 32;
+inline __m512 even(__m512i v) { return _mm512_castsi512_ps(_mm512_slli_epi32(v, 16)); }
+inline __m512 odd(__m512i v) { return _mm512_castsi512_ps(_mm512_and_si512(v, _mm512_set1_epi32(0xffff0000))); }
+struct X { __m512 even, odd; };
+struct Acc { __m512 even = _mm512_setzero_ps(), odd = _mm512_setzero_ps(); };
+inline X load_x(const uint16_t* x) {
+  const __m512i v = _mm512_loadu_si512(x);
+  return {even(v), odd(v)};
+}
+inline void fma(Acc& a, const uint16_t* w, const X& x) {
+  const __m512i v = _mm512_loadu_si512(w);
+  a.even = _mm512_fmadd_ps(even(v), x.even, a.even);
+  a.odd = _mm512_fmadd_ps(odd(v), x.odd, a.odd);
+}
+inline float sum(const Acc& a) { return _mm512_reduce_add_ps(_mm512_add_ps(a.even, a.odd)); }
+#elif defined(__AVX2__) && defined(__FMA__)
+constexpr int64_t kLanes = 16;
+inline __m256 even(__m256i v) { return _mm256_castsi256_ps(_mm256_slli_epi32(v, 16)); }
+inline __m256 odd(__m256i v) { return _mm256_castsi256_ps(_mm256_and_si256(v, _mm256_set1_epi32(0xffff0000))); }
+struct X { __m256 even, odd; };
+struct Acc { __m256 even = _mm256_setzero_ps(), odd = _mm256_setzero_ps(); };
+inline X load_x(const uint16_t* x) {
+  const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x));
+  return {even(v), odd(v)};
+}
+inline void fma(Acc& a, const uint16_t* w, const X& x) {
+  const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w));
+  a.even = _mm256_fmadd_ps(even(v), x.even, a.even);
+  a.odd = _mm256_fmadd_ps(odd(v), x.odd, a.odd);
+}
+inline float sum(const Acc& a) {
+  const __m256 s = _mm256_add_ps(a.even, a.odd);
+  __m128 h = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
+  h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+  return _mm_cvtss_f32(_mm_add_ss(h, _mm_movehdup_ps(h)));
+}
+#else
+#error "eyas::row_gemv is built with -mavx512bf16, -mavx512f or -mavx2 -mfma (row_gemv.py picks them)"
+#endif
+
+constexpr int64_t kBlock = 2;        // weight rows per inner block: independent accumulator chains
 constexpr int64_t kAhead = 9216;     // bytes prefetched ahead of the stream (into L2): ~DRAM latency x bandwidth
 constexpr int64_t kChunkBytes = 1 << 16;  // the least weight bytes one thread takes, so small weights stay on one
 
-// out[r] = dot(w[r*K : (r+1)*K], x) for r < rows (rows <= kBlock); the tail of K is read with a masked load.
-__attribute__((target("avx512f,avx512bw,avx512bf16")))
+// out[r] = dot(w[r*K : (r+1)*K], x) for r < rows (rows <= kBlock); the tail of K (under kLanes) is read from
+// zero-padded copies, so every ISA takes it alike.
 inline void dot_block(const uint16_t* w, const uint16_t* x, int64_t K, int64_t rows, float* out) {
-  __m512 acc[kBlock];
-  for (int64_t r = 0; r < kBlock; ++r) acc[r] = _mm512_setzero_ps();
+  Acc acc[kBlock];
   const char* ahead = reinterpret_cast<const char*>(w) + kAhead;
   int64_t k = 0;
-  for (; k + 32 <= K; k += 32) {
-    const __m512bh xv = (__m512bh)_mm512_loadu_si512(x + k);
+  for (; k + kLanes <= K; k += kLanes) {
+    const X xv = load_x(x + k);
     for (int64_t r = 0; r < rows; ++r) {
       _mm_prefetch(ahead + 2 * (r * K + k), _MM_HINT_T1);
-      acc[r] = _mm512_dpbf16_ps(acc[r], (__m512bh)_mm512_loadu_si512(w + r * K + k), xv);
+      fma(acc[r], w + r * K + k, xv);
     }
   }
   if (k < K) {
-    const __mmask32 tail = (__mmask32)((1ull << (K - k)) - 1);
-    const __m512bh xv = (__m512bh)_mm512_maskz_loadu_epi16(tail, x + k);
-    for (int64_t r = 0; r < rows; ++r)
-      acc[r] = _mm512_dpbf16_ps(acc[r], (__m512bh)_mm512_maskz_loadu_epi16(tail, w + r * K + k), xv);
+    uint16_t xt[kLanes] = {}, wt[kLanes] = {};
+    std::memcpy(xt, x + k, 2 * (K - k));
+    const X xv = load_x(xt);
+    for (int64_t r = 0; r < rows; ++r) {
+      std::memcpy(wt, w + r * K + k, 2 * (K - k));
+      fma(acc[r], wt, xv);
+    }
   }
-  for (int64_t r = 0; r < rows; ++r) out[r] = _mm512_reduce_add_ps(acc[r]);
+  for (int64_t r = 0; r < rows; ++r) out[r] = sum(acc[r]);
 }
 
 at::Tensor row_gemv(const at::Tensor& x, at::TensorList weights) {

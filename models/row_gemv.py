@@ -1,13 +1,14 @@
 """eyas's one-row product of bf16 weights on CPU (`row_gemv.cpp`), and the inductor pass that runs a compiled step's
 one-row products through it.
 
-A decoding step multiplies one row by every weight once, so its cost is the weights' read. On CPUs with AVX512-BF16,
-torch's bf16 products (oneDNN's, inductor's GEMM templates) are shaped for many rows and read a one-row product's
-weight at 70-80% of the memory bandwidth; eyas's kernel streams it with prefetches ahead of the DRAM latency (up to
-the bandwidth on one large weight) and takes the products that share an input (q/k/v, gate/up) in one call. It is
-built on first use by torch's C++ extension loader (the compiler a compiled step needs anyway, and ninja), once per
-machine, torch release and source; on a CPU without AVX512-BF16, or where the build fails (logged once),
-`available()` is False and every product runs torch's kernels as before.
+A decoding step multiplies one row by every weight once, so its cost is the weights' read. torch's bf16 products are
+shaped for many rows: on CPUs with AVX512-BF16 (oneDNN's, inductor's GEMM templates) they read a one-row product's
+weight at 70-80% of the memory bandwidth, and on CPUs without bf16 instructions slower than an fp32 weight although
+it is half the bytes. eyas's kernel streams the weight with prefetches ahead of the DRAM latency (up to the bandwidth
+on one large weight) and takes the products that share an input (q/k/v, gate/up) in one call. It is built on first
+use by torch's C++ extension loader (the compiler a compiled step needs anyway, and ninja) for the best of the CPU's
+AVX512-BF16, AVX-512 and AVX2 (`isa()`), once per machine, instruction set, torch release and source; on other CPUs,
+or where the build fails (logged once), `available()` is False and every product runs torch's kernels as before.
 """
 
 from __future__ import annotations
@@ -28,21 +29,40 @@ SOURCE = Path(__file__).with_name("row_gemv.cpp")
 _aten = torch.ops.aten
 
 
+# per instruction set the kernel is built for (row_gemv.cpp): the capability flags it needs and its compiler flags
+_ISAS = {
+    "avx512_bf16": (("avx512_f", "avx512_bw", "avx512_bf16"), ("-mavx512f", "-mavx512bw", "-mavx512bf16")),
+    "avx512": (("avx512_f", "avx512_bw"), ("-mavx512f", "-mavx512bw")),
+    "avx2": (("avx2", "fma3"), ("-mavx2", "-mfma")),
+}
+
+
 @functools.cache
-def available() -> bool:
-    """Whether eyas::row_gemv runs here: an AVX512-BF16 CPU and the kernel built (on the first call)."""
+def isa() -> str | None:
+    """The instruction set eyas::row_gemv is built for on this CPU (the first of `_ISAS` it has), None on CPUs with
+    none of them (non-x86 ones among them)."""
     # the machine's own flags, read where tests that play other CPUs (monkeypatching torch.cpu) do not reach
     probe = getattr(torch._C._cpu, "_get_cpu_capability", None)
-    if probe is None or not probe().get("avx512_bf16"):
+    flags = probe() if probe is not None else {}
+    return next((name for name, (needs, _) in _ISAS.items() if all(flags.get(f) for f in needs)), None)
+
+
+@functools.cache
+def available() -> bool:
+    """Whether eyas::row_gemv runs here: a CPU with one of its instruction sets, and the kernel built for it (on the
+    first call)."""
+    if isa() is None:
         return False
     from torch.utils import cpp_extension
 
-    logger.info("loading eyas's bf16 one-row kernel (built once per machine, torch release and source, ~10 s)")
-    # one build per torch release: a cached library links against the torch that built it
-    name = "eyas_row_gemv_" + re.sub(r"\W", "_", torch.__version__)
+    logger.info("loading eyas's bf16 one-row kernel for %s (built once per machine, instruction set, torch release and "
+                "source, ~10 s)", isa())
+    # one build per torch release (a cached library links against the torch that built it) and instruction set (a
+    # build directory shared by machines of other CPUs must not hand one a kernel its CPU cannot run)
+    name = f"eyas_row_gemv_{isa()}_" + re.sub(r"\W", "_", torch.__version__)
     try:
-        cpp_extension.load(name, [str(SOURCE)], extra_cflags=["-O3", "-fopenmp"], extra_ldflags=["-fopenmp"],
-                           is_python_module=False)
+        cpp_extension.load(name, [str(SOURCE)], extra_cflags=["-O3", "-fopenmp", *_ISAS[isa()][1]],
+                           extra_ldflags=["-fopenmp"], is_python_module=False)
     except Exception as e:  # no compiler or ninja, a failed build: torch's products stay
         logger.warning("eyas's bf16 one-row kernel is not available (%s); bf16 steps use torch's products",
                        str(e).splitlines()[0] if str(e) else type(e).__name__)

@@ -124,18 +124,22 @@ def test_logit_projection_runs_the_module_when_it_is_hooked():
 
 
 @pytest.mark.parametrize("capabilities", [{"avx2": True}, {"avx2": True, "amx_bf16": True, "avx512_bf16": True}])
-def test_bf16_linears_are_prepacked_only_where_the_cpu_computes_bf16(monkeypatch, request, capabilities):
-    """A CPU with native bf16 gets oneDNN's prepacked bf16 product at every row count (F.linear's one-row product
-    does not use those instructions); elsewhere the module itself runs (emulated bf16 is slower than fp32)."""
+def test_bf16_linears_take_eyas_kernels_only_where_they_pay(monkeypatch, request, capabilities):
+    """One bf16 row runs eyas's one-row kernel wherever it is built (any AVX2 CPU; torch's one-row bf16 product reads
+    the weight far below the bandwidth), else oneDNN's prepacked product on a CPU with native bf16; several rows take
+    the prepacked product only with native bf16 (elsewhere oneDNN emulates bf16 as F.linear does: the module runs)."""
+    from eyas.models import row_gemv
     from eyas.models.cpu_kernels import native_bf16
 
     monkeypatch.setattr(torch.cpu, "get_capabilities", lambda: capabilities)
     native_bf16.cache_clear()
     request.addfinalizer(native_bf16.cache_clear)
     native = "amx_bf16" in capabilities
+    packing = torch.backends.mkldnn.is_available()
     target = tiny_target("llama", tied=False, dtype=torch.bfloat16)
-    assert target.logit_projection.applies() == (native and torch.backends.mkldnn.is_available())
-    assert (target.logit_projection.kernel(1) is not None) == target.logit_projection.applies()
+    lin = target.logit_projection
+    assert (lin.kernel(1) is not None) == (packing and (native or row_gemv.available()))
+    assert (lin.kernel(3) is not None) == (packing and native)
     for rows in (1, 3):
         h = torch.randn(1, rows, target.hidden_size, dtype=torch.bfloat16)
         # bf16 products accumulate in fp32 either way; they may round the last bit differently
