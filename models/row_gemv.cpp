@@ -26,58 +26,57 @@
 
 namespace {
 
-// One ISA's step over kLanes bf16 of a weight row and of x: `load_x` once per step (shared by the block's rows),
-// `fma` per row into that row's accumulator, `sum` at the end. The widening ISAs split a step into the elements at
-// even and odd places (a shift and a mask of the same load, no shuffle): a dot product does not care which pairs
-// with which as long as w and x are split alike.
-#if defined(__AVX512BF16__)
+// A step over kLanes bf16 of a weight row and of x: `load_x` once per step (shared by the block's rows), `fma` per
+// row into that row's accumulator, `sum` at the end. With AVX512-BF16 the pairs are multiplied directly; otherwise
+// a step is split into the elements at even and odd places, each widened to fp32 (a shift or a mask of the same
+// load, no shuffle: a dot product does not care which pairs with which as long as w and x are split alike).
+#if defined(__AVX512F__)
+using V = __m512;
+using VI = __m512i;
 constexpr int64_t kLanes = 32;
-struct X { __m512bh v; };
-struct Acc { __m512 v = _mm512_setzero_ps(); };
-inline X load_x(const uint16_t* x) { return {(__m512bh)_mm512_loadu_si512(x)}; }
-inline void fma(Acc& a, const uint16_t* w, const X& x) {
-  a.v = _mm512_dpbf16_ps(a.v, (__m512bh)_mm512_loadu_si512(w), x.v);
-}
-inline float sum(const Acc& a) { return _mm512_reduce_add_ps(a.v); }
-#elif defined(__AVX512F__)
-constexpr int64_t kLanes = 32;
-inline __m512 even(__m512i v) { return _mm512_castsi512_ps(_mm512_slli_epi32(v, 16)); }
-inline __m512 odd(__m512i v) { return _mm512_castsi512_ps(_mm512_and_si512(v, _mm512_set1_epi32(0xffff0000))); }
-struct X { __m512 even, odd; };
-struct Acc { __m512 even = _mm512_setzero_ps(), odd = _mm512_setzero_ps(); };
-inline X load_x(const uint16_t* x) {
-  const __m512i v = _mm512_loadu_si512(x);
-  return {even(v), odd(v)};
-}
-inline void fma(Acc& a, const uint16_t* w, const X& x) {
-  const __m512i v = _mm512_loadu_si512(w);
-  a.even = _mm512_fmadd_ps(even(v), x.even, a.even);
-  a.odd = _mm512_fmadd_ps(odd(v), x.odd, a.odd);
-}
-inline float sum(const Acc& a) { return _mm512_reduce_add_ps(_mm512_add_ps(a.even, a.odd)); }
+inline V zero() { return _mm512_setzero_ps(); }
+inline VI load(const uint16_t* p) { return _mm512_loadu_si512(p); }
+inline V fmadd(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
+inline V even(VI v) { return _mm512_castsi512_ps(_mm512_slli_epi32(v, 16)); }
+inline V odd(VI v) { return _mm512_castsi512_ps(_mm512_and_si512(v, _mm512_set1_epi32(0xffff0000))); }
+inline float reduce(V v) { return _mm512_reduce_add_ps(v); }
 #elif defined(__AVX2__) && defined(__FMA__)
+using V = __m256;
+using VI = __m256i;
 constexpr int64_t kLanes = 16;
-inline __m256 even(__m256i v) { return _mm256_castsi256_ps(_mm256_slli_epi32(v, 16)); }
-inline __m256 odd(__m256i v) { return _mm256_castsi256_ps(_mm256_and_si256(v, _mm256_set1_epi32(0xffff0000))); }
-struct X { __m256 even, odd; };
-struct Acc { __m256 even = _mm256_setzero_ps(), odd = _mm256_setzero_ps(); };
-inline X load_x(const uint16_t* x) {
-  const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x));
-  return {even(v), odd(v)};
-}
-inline void fma(Acc& a, const uint16_t* w, const X& x) {
-  const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w));
-  a.even = _mm256_fmadd_ps(even(v), x.even, a.even);
-  a.odd = _mm256_fmadd_ps(odd(v), x.odd, a.odd);
-}
-inline float sum(const Acc& a) {
-  const __m256 s = _mm256_add_ps(a.even, a.odd);
-  __m128 h = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
+inline V zero() { return _mm256_setzero_ps(); }
+inline VI load(const uint16_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+inline V fmadd(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
+inline V even(VI v) { return _mm256_castsi256_ps(_mm256_slli_epi32(v, 16)); }
+inline V odd(VI v) { return _mm256_castsi256_ps(_mm256_and_si256(v, _mm256_set1_epi32(0xffff0000))); }
+inline float reduce(V v) {
+  __m128 h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   h = _mm_add_ps(h, _mm_movehl_ps(h, h));
   return _mm_cvtss_f32(_mm_add_ss(h, _mm_movehdup_ps(h)));
 }
 #else
 #error "eyas::row_gemv is built with -mavx512bf16, -mavx512f or -mavx2 -mfma (row_gemv.py picks them)"
+#endif
+
+#if defined(__AVX512BF16__)
+struct X { __m512bh v; };
+struct Acc { V v = zero(); };
+inline X load_x(const uint16_t* x) { return {(__m512bh)load(x)}; }
+inline void fma(Acc& a, const uint16_t* w, const X& x) { a.v = _mm512_dpbf16_ps(a.v, (__m512bh)load(w), x.v); }
+inline float sum(const Acc& a) { return reduce(a.v); }
+#else
+struct X { V even, odd; };
+struct Acc { V even = zero(), odd = zero(); };
+inline X load_x(const uint16_t* x) {
+  const VI v = load(x);
+  return {even(v), odd(v)};
+}
+inline void fma(Acc& a, const uint16_t* w, const X& x) {
+  const VI v = load(w);
+  a.even = fmadd(even(v), x.even, a.even);
+  a.odd = fmadd(odd(v), x.odd, a.odd);
+}
+inline float sum(const Acc& a) { return reduce(a.even) + reduce(a.odd); }
 #endif
 
 constexpr int64_t kBlock = 2;        // weight rows per inner block: independent accumulator chains
