@@ -37,14 +37,18 @@ _ISAS = {
 }
 
 
-@functools.cache
-def isa() -> str | None:
-    """The instruction set eyas::row_gemv is built for on this CPU (the first of `_ISAS` it has), None on CPUs with
-    none of them (non-x86 ones among them)."""
+def runnable() -> list[str]:
+    """The instruction sets of `_ISAS` this CPU runs, best first (none on non-x86 CPUs)."""
     # the machine's own flags, read where tests that play other CPUs (monkeypatching torch.cpu) do not reach
     probe = getattr(torch._C._cpu, "_get_cpu_capability", None)
     flags = probe() if probe is not None else {}
-    return next((name for name, (needs, _) in _ISAS.items() if all(flags.get(f) for f in needs)), None)
+    return [name for name, (needs, _) in _ISAS.items() if all(flags.get(f) for f in needs)]
+
+
+@functools.cache
+def isa() -> str | None:
+    """The instruction set eyas::row_gemv is built for on this CPU (the best it runs), None where it runs none."""
+    return next(iter(runnable()), None)
 
 
 @functools.cache
