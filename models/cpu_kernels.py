@@ -8,10 +8,10 @@ make that cost far more than one token although the weights and the cache are re
 A batch of sequences of different lengths (regeneration's slots) pays a third: every row's attention
 reads the cache up to the longest row. Rows are attended in groups, each over only the columns some
 row of it can see (`ragged_spans`, `cpu_attention(need=...)`).
-In bf16 F.linear's one-row product is slower than fp32's although it reads half the bytes (on CPUs with native
-bf16 instructions, AMX or AVX512-BF16, it does not use them); eyas's one-row kernel (row_gemv.py, any x86 CPU with
-AVX2) reads the weight near the memory bandwidth, and where the CPU has native bf16 a oneDNN-prepacked bf16 copy
-uses those units at several rows.
+At one row torch's products read the weight below the memory bandwidth (in bf16 slower than fp32 although they read
+half the bytes: on CPUs with native bf16 instructions, AMX or AVX512-BF16, they do not use them); eyas's one-row
+kernel (row_gemv.py, any x86 CPU with AVX2) reads it nearer the bandwidth, and where the CPU has native bf16 a
+oneDNN-prepacked bf16 copy uses those units at several rows.
 All take effect only for the duration of a Target forward and only where they apply (CPU, fp32 or bf16 for the
 linears, the model's attention going through transformers' "sdpa" entry); anywhere else the
 model's own code runs, so every target still works unmodified. The model's configuration is never
@@ -52,9 +52,9 @@ class CpuLinear:
     over 2..16 tokens costs far more than one token although the weights are read once either way
     (SmolLM2-135M, decoder layers alone: 2 rows 1.35-1.7x one row; its 49152x576 lm_head 2 rows
     76 -> 35 ms). A oneDNN-prepacked copy of the weight keeps a few rows near the cost of one.
-    One fp32 row stays with F.linear (a GEMV) or, with `row_copy`, a contiguous [in, out] copy (~2x
-    faster than F.linear for the lm_head's one-row product); one bf16 row runs eyas's one-row kernel
-    (row_gemv.py) on the weight itself on any x86 CPU with AVX2. Copies are built on first use
+    One row runs eyas's one-row kernel (row_gemv.py) on the weight itself on any x86 CPU with AVX2;
+    elsewhere one fp32 row stays with F.linear (a GEMV) or, with `row_copy`, a contiguous [in, out]
+    copy (~2x faster than F.linear for the lm_head's one-row product). Copies are built on first use
     (one extra copy of the weight each) and rebuilt when the weight changes place, version or
     shape. Anywhere else (GPU, several bf16 rows without native bf16 units, a hooked or sharded
     layer, a torch without oneDNN) the module itself runs, so every target still works unmodified.
@@ -86,20 +86,28 @@ class CpuLinear:
         w = self.module.weight
         key = (w.data_ptr(), w._version, w.shape)
         if key != self._key:
-            self.weight_t = w.detach().t().contiguous() if self.row_copy and w.dtype == torch.float32 else None
+            # the [in, out] copy serves one row only where eyas's one-row kernel does not
+            row_t = self.row_copy and w.dtype == torch.float32 and not self._row_kernel()
+            self.weight_t = w.detach().t().contiguous() if row_t else None
             self.packed = torch.ops.mkldnn._reorder_linear_weight(w.detach(), None)
             self._key = key
 
+    def _row_kernel(self) -> bool:
+        """Whether one row runs eyas's one-row kernel (built for this CPU; it reads the weight in place)."""
+        return self.module.weight.is_contiguous() and row_gemv.available()
+
     def kernel(self, rows: int):
         """eyas's product for an input of `rows` rows (x -> y, a drop-in for the module's forward), or None
-        where the module itself is best or must run: prepacked for several rows, eyas's one-row kernel for one bf16
-        row (prepacked where it is not available), the [in, out] copy for one row of an fp32 row_copy layer;
-        otherwise F.linear's GEMV."""
+        where the module itself is best or must run: prepacked for several rows, eyas's one-row kernel for one row;
+        where that kernel is not built, prepacked for one bf16 row, the [in, out] copy for one row of an fp32
+        row_copy layer, otherwise F.linear's GEMV."""
         bf16 = self.module.weight.dtype == torch.bfloat16
-        if not ((rows > 1 or self.row_copy or bf16) and self.applies()):
+        if not self.applies():
             return None
-        if bf16 and rows == 1 and self.module.weight.is_contiguous() and row_gemv.available():
-            return functools.partial(_one_bf16_row, weight=self.module.weight.detach(), bias=self.module.bias)
+        if rows == 1 and self._row_kernel():
+            return functools.partial(_one_row, weight=self.module.weight.detach(), bias=self.module.bias)
+        if not (rows > 1 or self.row_copy or bf16):
+            return None
         if bf16 and native_bf16() is None:  # oneDNN would emulate bf16 through fp32 as F.linear does
             return None
         self.prepare()
@@ -117,10 +125,10 @@ _PACKED = torch.ops.mkldnn._linear_pointwise.default if torch.backends.mkldnn.is
 
 @contextlib.contextmanager
 def cpu_linears(linears: Sequence[CpuLinear], rows: int):
-    """Run the layers' own calls through eyas's copies of their weights for the duration of the block: the
-    prepacked ones when they see more than one row; with one row only the `row_copy` layers change (to
-    their [in, out] copy), the rest keep F.linear, the fastest there. The model's code is untouched: only
-    the bound forward of each applicable instance is shadowed."""
+    """Run the layers' own calls through eyas's kernels for the duration of the block (`CpuLinear.kernel`):
+    the prepacked copies when they see more than one row, eyas's one-row kernel at one row (where it is not
+    built, only the `row_copy` layers change, to their [in, out] copy; the rest keep F.linear). The model's
+    code is untouched: only the bound forward of each applicable instance is shadowed."""
     active = []
     for lin in linears:
         if (kernel := lin.kernel(rows)) is not None:
@@ -137,8 +145,8 @@ def _packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | N
     return _PACKED(x, packed, bias, "none", [], "")
 
 
-def _one_bf16_row(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """x [..., in] holding one bf16 row, weight [out, in] -> [..., out] through eyas's one-row kernel."""
+def _one_row(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x [..., in] holding one row, weight [out, in] -> [..., out] through eyas's one-row kernel."""
     y = row_gemv.row_gemv(x, [weight])
     return y if bias is None else y + bias
 

@@ -1,15 +1,15 @@
-"""eyas's one-row product of bf16 weights on CPU (`row_gemv.cpp`), and the inductor pass that runs a compiled step's
-one-row products through it.
+"""eyas's one-row product of bf16 or fp32 weights on CPU (`row_gemv.cpp`), and the inductor pass that runs a compiled
+step's one-row products through it.
 
-A decoding step multiplies one row by every weight once, so its cost is the weights' read. torch's bf16 products are
-shaped for many rows: on CPUs with AVX512-BF16 (oneDNN's, inductor's GEMM templates) they read a one-row product's
-weight at 70-80% of the memory bandwidth, and on CPUs without bf16 instructions slower than an fp32 weight although
-it is half the bytes. eyas's kernel streams the weight with prefetches ahead of the DRAM latency (up to the bandwidth
-on one large weight) and takes the products that share an input (q/k/v, gate/up) in one call. It is built on first
-use by torch's C++ extension loader (the compiler a compiled step needs anyway, and ninja) for the best of the CPU's
-AVX512-BF16, AVX-512 and AVX2 (`isa()`), once per machine, instruction set, torch release and source; on other CPUs,
-or where the build fails (logged once), `available()` is False and every product runs torch's kernels as before.
-"""
+A decoding step multiplies one row by every weight once, so its cost is the weights' read. torch's products are
+shaped for many rows: at one row they read the weight well below the memory bandwidth (oneDNN's bf16 product and
+inductor's GEMM templates 70-80 % of it; on CPUs without bf16 instructions torch's one-row bf16 product is slower than
+an fp32 one although it reads half the bytes). eyas's kernel reads each thread's share of the rows as several
+far-apart streams with prefetches ahead, and takes the products that share an input (q/k/v, gate/up) in one call. It
+is built on first use by torch's C++ extension loader (the compiler a compiled step needs anyway, and ninja) for the
+best of the CPU's AVX512-BF16, AVX-512 and AVX2 (`isa()`), once per machine, instruction set, torch release and
+source; on other CPUs, or where the build fails (logged once), `available()` is False and every product runs torch's
+kernels as before."""
 
 from __future__ import annotations
 
@@ -27,6 +27,7 @@ logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("row_gemv.cpp")
 _aten = torch.ops.aten
+DTYPES = (torch.bfloat16, torch.float32)  # what the kernel multiplies (x and the weights alike)
 
 
 # per instruction set the kernel is built for (row_gemv.cpp): the capability flags it needs and its compiler flags
@@ -59,7 +60,7 @@ def available() -> bool:
         return False
     from torch.utils import cpp_extension
 
-    logger.info("loading eyas's bf16 one-row kernel for %s (built once per machine, instruction set, torch release and "
+    logger.info("loading eyas's one-row kernel for %s (built once per machine, instruction set, torch release and "
                 "source, ~10 s)", isa())
     # one build per torch release (a cached library links against the torch that built it) and instruction set (a
     # build directory shared by machines of other CPUs must not hand one a kernel its CPU cannot run)
@@ -68,7 +69,7 @@ def available() -> bool:
         cpp_extension.load(name, [str(SOURCE)], extra_cflags=["-O3", "-fopenmp", *_ISAS[isa()][1]],
                            extra_ldflags=["-fopenmp"], is_python_module=False)
     except Exception as e:  # no compiler or ninja, a failed build: torch's products stay
-        logger.warning("eyas's bf16 one-row kernel is not available (%s); bf16 steps use torch's products",
+        logger.warning("eyas's one-row kernel is not available (%s); steps use torch's products",
                        str(e).splitlines()[0] if str(e) else type(e).__name__)
         return False
     torch.library.register_fake("eyas::row_gemv")(_row_gemv_shape)
@@ -80,13 +81,15 @@ def _row_gemv_shape(x: torch.Tensor, weights: Sequence[torch.Tensor]) -> torch.T
 
 
 def row_gemv(x: torch.Tensor, weights: Sequence[torch.Tensor]) -> torch.Tensor:
-    """x [..., K] holding one row, weights [N_i, K] contiguous bf16 -> [..., sum N_i]: x times each weight, in order
-    (what `torch.cat([F.linear(x, w) for w in weights], -1)` computes, accumulated in fp32). Needs `available()`."""
+    """x [..., K] holding one row, weights [N_i, K] contiguous in x's dtype (one of DTYPES) -> [..., sum N_i]: x times
+    each weight, in order (what `torch.cat([F.linear(x, w) for w in weights], -1)` computes, accumulated in fp32).
+    Needs `available()`."""
     return torch.ops.eyas.row_gemv(x, list(weights))
 
 
 def _one_row_product(node: fx.Node) -> tuple[fx.Node, fx.Node, fx.Node | None] | None:
-    """(x, weight, bias) of a graph node computing one bf16 row times a transposed [N, K] weight (`mm(x [1, K],
+    """(x, weight, bias) of a graph node computing one row times a transposed [N, K] weight of the same dtype (one of
+    DTYPES) (`mm(x [1, K],
     permute(w))`, `addmm(bias, x, permute(w))`), the form a linear layer takes in an aten graph; else None."""
     if node.target is _aten.mm.default:
         (x, wt), bias = node.args, None
@@ -105,8 +108,8 @@ def _one_row_product(node: fx.Node) -> tuple[fx.Node, fx.Node, fx.Node | None] |
     if xv is None or wv is None:
         return None
     shapes_fixed = all(isinstance(s, int) for s in (*xv.shape, *wv.shape))
-    if not (shapes_fixed and xv.dim() == 2 and xv.shape[0] == 1 and wv.dim() == 2 and xv.dtype == torch.bfloat16
-            and wv.dtype == torch.bfloat16 and xv.device.type == "cpu" and wv.is_contiguous()):
+    if not (shapes_fixed and xv.dim() == 2 and xv.shape[0] == 1 and wv.dim() == 2 and xv.dtype in DTYPES
+            and wv.dtype == xv.dtype and xv.device.type == "cpu" and wv.is_contiguous()):
         return None
     return x, weight, bias
 
@@ -122,7 +125,7 @@ _VIEWS = (_aten.view.default, _aten.reshape.default, _aten._unsafe_view.default)
 
 
 def rewrite_one_row_products(graph: fx.Graph) -> int:
-    """Replace the graph's one-row bf16 products by eyas::row_gemv, one call per input shared by several products (its
+    """Replace the graph's one-row products by eyas::row_gemv, one call per input shared by several products (its
     output sliced per product, a bias added after); returns how many products it replaced. Run before inductor freezes
     the weights: a product there still reads its weight as an input."""
     groups: dict[fx.Node, list] = defaultdict(list)  # by the tensor each product's row is a view of
@@ -159,7 +162,7 @@ def rewrite_one_row_products(graph: fx.Graph) -> int:
 
 @functools.cache
 def one_row_pass():
-    """The inductor pass (`joint_custom_pre_pass`) that rewrites a graph's one-row bf16 products (see
+    """The inductor pass (`joint_custom_pre_pass`) that rewrites a graph's one-row products (see
     `rewrite_one_row_products`); its uuid keys inductor's cache of compiled graphs on this file and the kernel's
     source."""
     from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files

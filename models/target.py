@@ -127,10 +127,11 @@ class Target(nn.Module):
         compile: decode steps (forwards into a cache that already holds tokens: plain steps, tree verifies,
         regeneration's steps) run through `torch.compile` of the decoder with frozen weights (`_compiling`):
         the small ops between the weight reads fuse, the products that share an input are fused, and each product
-        runs the fastest of inductor's GEMM templates and aten's for its shape, or on CPU a one-row bf16 product
-        eyas's own kernel (`models/row_gemv.py`, on x86 CPUs with AVX2 or better). A kind of step compiles at its first
-        call and once more when a size first changes (it is dynamic from then on: context length, tree size,
-        rows), about a minute each for SmolLM2-135M on 2 CPU cores. Prefills and the verify-mode check stay eager.
+        runs the fastest of inductor's GEMM templates and aten's for its shape, or on CPU a one-row product (bf16
+        or fp32) eyas's own kernel (`models/row_gemv.py`, on x86 CPUs with AVX2 or better). A kind of step
+        compiles at its first call and once more when a size first changes (it is dynamic from then on: context
+        length, tree size, rows), about a minute each for SmolLM2-135M on 2 CPU cores. Prefills and the
+        verify-mode check stay eager.
         The graphs assume the model's modules stay as loaded (eyas swaps parts only inside its eager calls; the
         weights are frozen into the graphs): a step checks its inputs and the weights' identity, not the modules."""
         super().__init__()
@@ -525,7 +526,7 @@ def _compiling(device: torch.device) -> Iterator[None]:
     prepack them and fuse the products that share an input (q/k/v, gate/up); max-autotune then times its own
     GEMM templates (on CPU micro-kernels on AMX / AVX-512 / AVX2, which use the bf16 units where aten's one-row bf16
     product does not) against aten's and keeps the faster, per shape; before freezing, eyas's pass gives the one-row
-    bf16 products to its own kernel on x86 CPUs with AVX2 or better (row_gemv.py). Dynamo's recompile limit counts
+    products to its own kernel on x86 CPUs with AVX2 or better (row_gemv.py). Dynamo's recompile limit counts
     the graphs of every compiled Target over one model class in the process (each kind of step, static then
     dynamic); past its default of 8 a new kind would silently run eager."""
     import torch._dynamo.config as dynamo
@@ -538,7 +539,7 @@ def _compiling(device: torch.device) -> Iterator[None]:
         # cpp_wrapper: the graph's ~10 kernel calls per layer are made from C++, not Python (~1.3 ms of a
         # SmolLM2-135M step)
         settings.update(max_autotune_gemm_backends="CPP,ATEN", cpp_wrapper=True)
-        # one-row bf16 products (a plain step's) through eyas's kernel on x86 CPUs with AVX2 or better (row_gemv.py)
+        # one-row products (a plain step's) through eyas's kernel on x86 CPUs with AVX2 or better (row_gemv.py)
         settings["joint_custom_pre_pass"] = one_row_pass()
     with inductor.patch(settings), dynamo.patch(recompile_limit=RECOMPILE_LIMIT):
         yield

@@ -110,8 +110,8 @@ def test_compiled_sampling_matches_generate(pair, verifier):
 
 def test_compiled_step_runs_no_aten_products(pair):
     """eyas's inductor settings reach the compile (they are read when a graph compiles, at a call): a step's
-    products run inductor's GEMM templates or prepacked products, never aten's products over the weights, which is
-    what a graph compiled with inductor's defaults runs."""
+    products run inductor's GEMM templates, prepacked products or eyas's one-row kernel, never aten's products over
+    the weights, which is what a graph compiled with inductor's defaults runs."""
     _, compiled, _ = pair
     cache = compiled.new_cache(1, 32)
     compiled(torch.tensor([PROMPT]), cache=cache, logits=False)
@@ -125,10 +125,12 @@ def test_compiled_step_runs_no_aten_products(pair):
 
 
 @pytest.mark.skipif(not row_gemv.available(), reason="eyas::row_gemv needs an x86 CPU with AVX2")
-def test_compiled_bf16_step_runs_one_row_products_through_eyas_kernel():
-    """On an x86 CPU with AVX2 or better a compiled bf16 plain step's products run eyas's one-row kernel (the inductor
-    pass in row_gemv.py reaches the compile), and the step computes what the eager one does up to bf16 rounding."""
-    eager = tiny_target("llama", vocab_size=VOCAB, dtype=torch.bfloat16)
+@pytest.mark.parametrize("dtype", row_gemv.DTYPES)
+def test_compiled_step_runs_one_row_products_through_eyas_kernel(dtype):
+    """On an x86 CPU with AVX2 or better a compiled plain step's products run eyas's one-row kernel (the inductor
+    pass in row_gemv.py reaches the compile), and the step computes what the eager one does up to the dtype's
+    rounding."""
+    eager = tiny_target("llama", vocab_size=VOCAB, dtype=dtype)
     compiled = Target(eager.model, eager.tokenizer, eager.name_or_path, compile=True)
     steps = []
     for target in (eager, compiled):
@@ -143,4 +145,5 @@ def test_compiled_bf16_step_runs_one_row_products_through_eyas_kernel():
         steps.append((out.logits.float(), {event.key for event in prof.key_averages()}))
     (want, _), (got, ran) = steps
     assert "eyas::row_gemv" in ran and not ran & {"aten::mm", "aten::addmm", "aten::linear"}, sorted(ran)
-    torch.testing.assert_close(got, want, rtol=2 ** -5, atol=2 ** -5 * float(want.abs().max()))
+    eps = 2 ** -5 if dtype == torch.bfloat16 else 1e-4
+    torch.testing.assert_close(got, want, rtol=eps, atol=eps * float(want.abs().max()))

@@ -1,4 +1,4 @@
-"""eyas's one-row bf16 kernel (models/row_gemv.py): what it computes, and the graph pass that hands it a compiled
+"""eyas's one-row kernel (models/row_gemv.py): what it computes, and the graph pass that hands it a compiled
 step's one-row products. The kernel runs on x86 CPUs with AVX2 or better (built for the best instruction set the CPU
 has); elsewhere those tests skip and the pass must leave every graph as it is."""
 
@@ -19,22 +19,25 @@ def _reference(x: torch.Tensor, weights) -> torch.Tensor:
     return torch.cat([x.float() @ w.float().T for w in weights], -1)
 
 
-def _assert_bf16_close(got: torch.Tensor, want: torch.Tensor) -> None:
-    """Equal up to bf16 rounding of the result (the sums are fp32 in another order)."""
-    assert got.dtype == torch.bfloat16 and got.shape == want.shape
-    torch.testing.assert_close(got.float(), want.float(), rtol=2 ** -7, atol=2 ** -7 * float(want.abs().max()))
+def _assert_close(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> None:
+    """Equal up to the rounding of the result in `dtype` (the sums are fp32 in another order than torch's)."""
+    eps = 2 ** -7 if dtype == torch.bfloat16 else 1e-5
+    assert got.dtype == dtype and got.shape == want.shape
+    torch.testing.assert_close(got.float(), want.float(), rtol=eps, atol=eps * float(want.abs().max()))
 
 
 @needs_kernel
-@pytest.mark.parametrize("k", [576, 40, 1000, 31])  # a multiple of the 32-lane step, and tails of every length class
-def test_row_gemv_equals_the_products_it_replaces(k):
+@pytest.mark.parametrize("dtype", row_gemv.DTYPES)
+@pytest.mark.parametrize("k", [576, 40, 1000, 31])  # a multiple of every step's width, and tails of each length class
+@pytest.mark.parametrize("rows", [(7, 192, 1, 33), (1500, 3, 700)])  # a few rows a thread; many, over both threads
+def test_row_gemv_equals_the_products_it_replaces(k, dtype, rows):
     gen = torch.Generator().manual_seed(k)
-    weights = [torch.randn(n, k, generator=gen).bfloat16() for n in (7, 192, 1, 33)]  # odd rows: a block's tail
-    x = torch.randn(1, 1, k, generator=gen).bfloat16()
+    weights = [torch.randn(n, k, generator=gen).to(dtype) for n in rows]
+    x = torch.randn(1, 1, k, generator=gen).to(dtype)
     y = row_gemv.row_gemv(x, weights)
-    _assert_bf16_close(y, _reference(x, weights))
-    # a weight's rows that differ from its neighbours' land in their own columns, in order
-    _assert_bf16_close(row_gemv.row_gemv(x, weights[1:2]), y[..., 7:199])
+    _assert_close(y, _reference(x, weights), dtype)
+    # a weight's rows land in its own columns, in order, whichever streams read them
+    _assert_close(row_gemv.row_gemv(x, weights[1:2]), y[..., rows[0]:rows[0] + rows[1]], dtype)
 
 
 # each build in its own process: a process loads one build of the kernel's op library
@@ -44,12 +47,13 @@ from eyas.models import row_gemv
 row_gemv.isa = lambda: sys.argv[1]
 assert row_gemv.available()
 gen = torch.Generator().manual_seed(0)
-for k in (576, 31, 1000):
-    weights = [torch.randn(n, k, generator=gen).bfloat16() for n in (3, 64)]
-    x = torch.randn(1, k, generator=gen).bfloat16()
-    want = torch.cat([x.float() @ w.float().T for w in weights], -1)
-    torch.testing.assert_close(row_gemv.row_gemv(x, weights).float(), want, rtol=2 ** -7,
-                               atol=2 ** -7 * float(want.abs().max()))
+for dtype, eps in ((torch.bfloat16, 2 ** -7), (torch.float32, 1e-5)):
+    for k in (576, 31, 1000):
+        weights = [torch.randn(n, k, generator=gen).to(dtype) for n in (3, 64, 900)]
+        x = torch.randn(1, k, generator=gen).to(dtype)
+        want = torch.cat([x.float() @ w.float().T for w in weights], -1)
+        torch.testing.assert_close(row_gemv.row_gemv(x, weights).float(), want, rtol=eps,
+                                   atol=eps * float(want.abs().max()))
 """
 
 
@@ -69,8 +73,12 @@ def test_row_gemv_rejects_what_it_cannot_compute():
     x = torch.randn(2, 64).bfloat16()
     with pytest.raises(RuntimeError, match="one row"):
         row_gemv.row_gemv(x, [torch.randn(8, 64).bfloat16()])
-    with pytest.raises(RuntimeError, match="contiguous bf16"):
+    with pytest.raises(RuntimeError, match="contiguous"):
         row_gemv.row_gemv(x[:1], [torch.randn(64, 8).bfloat16().T])
+    with pytest.raises(RuntimeError, match="x's dtype"):
+        row_gemv.row_gemv(x[:1], [torch.randn(8, 64)])
+    with pytest.raises(RuntimeError, match="bf16 or fp32"):
+        row_gemv.row_gemv(x[:1].half(), [torch.randn(8, 64).half()])
 
 
 def _layer(x, w_q, w_k, w_o, bias):
@@ -92,20 +100,22 @@ def _products(gm) -> int:
 
 
 @needs_kernel
-def test_pass_rewrites_one_row_bf16_products_one_call_per_shared_input():
-    gm, args = _traced(torch.bfloat16, rows=1)
+@pytest.mark.parametrize("dtype", row_gemv.DTYPES)
+def test_pass_rewrites_one_row_products_one_call_per_shared_input(dtype):
+    gm, args = _traced(dtype, rows=1)
     want = _layer(*args)
     assert _products(gm) == 3
     assert row_gemv.rewrite_one_row_products(gm.graph) == 3
     gm.recompile()
     calls = [n for n in gm.graph.nodes if n.target is torch.ops.eyas.row_gemv.default]
     assert _products(gm) == 0 and len(calls) == 2  # x's two products in one call, tanh(h)'s in another
-    _assert_bf16_close(gm(*args), want)
+    _assert_close(gm(*args), want, dtype)
 
 
-@pytest.mark.parametrize("dtype,rows", [(torch.float32, 1), (torch.bfloat16, 3)])
+@pytest.mark.parametrize("dtype,rows", [(torch.float16, 1), (torch.bfloat16, 3), (torch.float32, 3)])
 def test_pass_leaves_other_products_alone(dtype, rows):
-    """fp32 products, and products of several rows (a verify's), keep torch's kernels, on every CPU."""
+    """Products of several rows (a verify's), and of dtypes the kernel does not take, keep torch's kernels, on every
+    CPU."""
     gm, _ = _traced(dtype, rows)
     assert row_gemv.rewrite_one_row_products(gm.graph) == 0
     assert _products(gm) == 3

@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from eyas.models import Target
+from eyas.models import Target, row_gemv
 from eyas.models.masks import after_history, causal
 from tests.helpers.tiny import FIXTURES, tiny_target, tiny_tokenizer
 
@@ -128,7 +128,6 @@ def test_bf16_linears_take_eyas_kernels_only_where_they_pay(monkeypatch, request
     """One bf16 row runs eyas's one-row kernel wherever it is built (any AVX2 CPU; torch's one-row bf16 product reads
     the weight far below the bandwidth), else oneDNN's prepacked product on a CPU with native bf16; several rows take
     the prepacked product only with native bf16 (elsewhere oneDNN emulates bf16 as F.linear does: the module runs)."""
-    from eyas.models import row_gemv
     from eyas.models.cpu_kernels import native_bf16
 
     monkeypatch.setattr(torch.cpu, "get_capabilities", lambda: capabilities)
@@ -158,8 +157,8 @@ def test_decoder_linears_run_through_eyas_kernels_with_unchanged_results(arch):
         lambda module, args: shadowed.append(all("forward" in vars(lin.module) for lin in linears)))
     ids = torch.randint(4, 300, (2, 6))
     fast = target(ids, layer_ids=(1,))
-    target(ids[:1, :1])  # one row: F.linear is the fastest there, nothing is shadowed
-    assert shadowed == [packing, False]
+    one = target(ids[:1, :1])  # one row: eyas's one-row kernel where it is built, else F.linear (nothing shadowed)
+    assert shadowed == [packing, packing and row_gemv.available()]
     assert not any("forward" in vars(lin.module) for lin in linears)  # restored after the call
     as_is = Target(target.model, target.tokenizer, "as-is", cpu_kernels=False)  # the same weights, modules as they are
     assert not any(lin.applies() for lin in as_is._linears) and not as_is.logit_projection.applies()
@@ -167,12 +166,17 @@ def test_decoder_linears_run_through_eyas_kernels_with_unchanged_results(arch):
     assert shadowed[-1] is False  # nothing was shadowed this time
     torch.testing.assert_close(fast.features, plain.features, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(fast.logits, plain.logits, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(one.logits, as_is(ids[:1, :1]).logits, rtol=1e-5, atol=1e-5)
 
 
-def test_row_copy_linears_take_one_row_through_their_transposed_copy():
+def test_row_copy_linears_take_one_row_through_their_transposed_copy(monkeypatch):
+    """Where eyas's one-row kernel is not built (non-x86 CPUs), one row of a row_copy layer (the lm_head) runs
+    through its [in, out] copy and other layers keep F.linear."""
     from torch import nn
 
     from eyas.models.cpu_kernels import CpuLinear, cpu_linears
+
+    monkeypatch.setattr(row_gemv, "available", lambda: False)
 
     torch.manual_seed(0)
     wide, plain = nn.Linear(16, 64, bias=False), nn.Linear(16, 16)
