@@ -15,7 +15,10 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 import re
+import sys
+import time
 from collections import defaultdict
 from pathlib import Path
 from typing import Sequence
@@ -28,6 +31,7 @@ logger = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("row_gemv.cpp")
 _aten = torch.ops.aten
 DTYPES = (torch.bfloat16, torch.float32)  # what the kernel multiplies (x and the weights alike)
+STALE_LOCK_S = 600  # a build lock older than this was left by a process that died building
 
 
 # per instruction set the kernel is built for (row_gemv.cpp): the capability flags it needs and its compiler flags
@@ -52,6 +56,19 @@ def isa() -> str | None:
     return next(iter(runnable()), None)
 
 
+def build_directory() -> Path:
+    """Where the kernel for this CPU's instruction set (`isa()`) is built and cached (under TORCH_EXTENSIONS_DIR where
+    set, as torch's own extensions are): one build per instruction set (a build directory shared by machines of other
+    CPUs must not hand one a kernel its CPU cannot run), torch release (a cached library links against the torch that
+    built it) and Python."""
+    from torch.utils import cpp_extension
+
+    name = f"eyas_row_gemv_{isa()}_" + re.sub(r"\W", "_", torch.__version__)
+    python = f"py{sys.version_info.major}{sys.version_info.minor}"
+    root = os.environ.get("TORCH_EXTENSIONS_DIR") or cpp_extension.get_default_build_root()  # as torch's loader
+    return Path(root) / "eyas" / f"{name}_{python}"
+
+
 @functools.cache
 def available() -> bool:
     """Whether eyas::row_gemv runs here: a CPU with one of its instruction sets, and the kernel built for it (on the
@@ -60,14 +77,19 @@ def available() -> bool:
         return False
     from torch.utils import cpp_extension
 
+    build = build_directory()
+    build.mkdir(parents=True, exist_ok=True)
+    # torch's loader waits for a build directory's lock without end: one left by a process killed while it built
+    # (a build takes ~10-30 s) would hang every later start
+    lock = build / "lock"
+    if lock.exists() and time.time() - lock.stat().st_mtime > STALE_LOCK_S:
+        logger.warning("removing %s, left by a build of eyas's one-row kernel that did not finish", lock)
+        lock.unlink(missing_ok=True)
     logger.info("loading eyas's one-row kernel for %s (built once per machine, instruction set, torch release and "
                 "source, ~10 s)", isa())
-    # one build per torch release (a cached library links against the torch that built it) and instruction set (a
-    # build directory shared by machines of other CPUs must not hand one a kernel its CPU cannot run)
-    name = f"eyas_row_gemv_{isa()}_" + re.sub(r"\W", "_", torch.__version__)
     try:
-        cpp_extension.load(name, [str(SOURCE)], extra_cflags=["-O3", "-fopenmp", *_ISAS[isa()][1]],
-                           extra_ldflags=["-fopenmp"], is_python_module=False)
+        cpp_extension.load(build.name, [str(SOURCE)], build_directory=str(build), is_python_module=False,
+                           extra_cflags=["-O3", "-fopenmp", *_ISAS[isa()][1]], extra_ldflags=["-fopenmp"])
     except Exception as e:  # no compiler or ninja, a failed build: torch's products stay
         logger.warning("eyas's one-row kernel is not available (%s); steps use torch's products",
                        str(e).splitlines()[0] if str(e) else type(e).__name__)
