@@ -146,14 +146,18 @@ def _packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | N
 
 
 def _one_row(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """x [..., in] holding one row, weight [out, in] -> [..., out] through eyas's one-row kernel."""
+    """x [..., in] holding one row, weight [out, in] -> [..., out] through eyas's one-row kernel. A layer may see more
+    rows than the forward has tokens (MLA expands every cached latent): those take F.linear."""
+    if x.numel() != x.shape[-1]:
+        return F.linear(x, weight, bias)
     y = row_gemv.row_gemv(x, [weight])
     return y if bias is None else y + bias
 
 
 def _row_product(x: torch.Tensor, weight_t: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """x [..., in] holding one row, weight_t [in, out] contiguous -> [..., out]."""
-    rows = x.reshape(1, -1)
+    """x [..., in], weight_t [in, out] contiguous -> [..., out] (one row, or more in a layer that sees more rows than
+    the forward has tokens)."""
+    rows = x.reshape(-1, x.shape[-1])
     y = rows @ weight_t if bias is None else torch.addmm(bias, rows, weight_t)
     return y.reshape(*x.shape[:-1], y.shape[-1])
 
