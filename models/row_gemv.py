@@ -110,9 +110,9 @@ def row_gemv(x: torch.Tensor, weights: Sequence[torch.Tensor]) -> torch.Tensor:
 
 
 def _one_row_product(node: fx.Node) -> tuple[fx.Node, fx.Node, fx.Node | None] | None:
-    """(x, weight, bias) of a graph node computing one row times a transposed [N, K] weight of the same dtype (one of
-    DTYPES) (`mm(x [1, K],
-    permute(w))`, `addmm(bias, x, permute(w))`), the form a linear layer takes in an aten graph; else None."""
+    """(x, weight, bias) of a graph node computing one row times a transposed [N, K] weight of the same dtype, one of
+    DTYPES (`mm(x [1, K], permute(w))`, `addmm(bias, x, permute(w))`), the form a linear layer takes in an aten
+    graph; else None."""
     if node.target is _aten.mm.default:
         (x, wt), bias = node.args, None
     elif node.target is _aten.addmm.default and not node.kwargs:
