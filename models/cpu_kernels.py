@@ -12,6 +12,8 @@ At one row torch's products read the weight below the memory bandwidth (in bf16 
 half the bytes: on CPUs with native bf16 instructions, AMX or AVX512-BF16, they do not use them); eyas's one-row
 kernel (row_gemv.py, any x86 CPU with AVX2) reads it nearer the bandwidth, and where the CPU has native bf16 a
 oneDNN-prepacked bf16 copy uses those units at several rows.
+Attention over bf16 runs in fp32 where the CPU has no bf16 units (`attends_in_fp32`): torch's bf16 attention
+emulates bf16 products there, several times slower than fp32.
 All take effect only for the duration of a Target forward and only where they apply (CPU, fp32 or bf16 for the
 linears, the model's attention going through transformers' "sdpa" entry); anywhere else the
 model's own code runs, so every target still works unmodified. The model's configuration is never
@@ -23,11 +25,12 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import functools
+import operator
 from typing import Sequence
 
 import torch
 import torch.nn.functional as F
-from torch import nn
+from torch import fx, nn
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
@@ -184,6 +187,11 @@ def _sdpa(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torc
     if state is None or query.device.type != "cpu":
         return stock(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, is_causal=is_causal,
                      **kwargs)
+    if attends_in_fp32(query.dtype):
+        mask = attention_mask.float() if attention_mask is not None and attention_mask.is_floating_point() else None
+        out, _ = _sdpa(module, query.float(), key.float(), value.float(), attention_mask if mask is None else mask,
+                       *args, **kwargs)
+        return out.to(query.dtype), None
     spans = state[1]
     if (spans is not None and attention_mask is not None and attention_mask.shape[0] == query.shape[0]
             and attention_mask.shape[-1] == key.shape[2]):
@@ -205,6 +213,63 @@ def _sdpa_gqa(stock, module: nn.Module, query: torch.Tensor, key: torch.Tensor, 
     out = F.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask, dropout_p=dropout,
                                          scale=scaling, enable_gqa=True)
     return out.transpose(1, 2).contiguous(), None
+
+
+def attends_in_fp32(dtype: torch.dtype) -> bool:
+    """Whether eyas runs attention over `dtype` queries, keys and values in fp32 on this CPU (and casts the output
+    back): bf16 where the CPU has no bf16 units. torch's CPU attention multiplies bf16 through MKL's emulated bf16
+    products there, ~5x slower than fp32 although it reads half the bytes (a decoding step's attention, 9 query heads
+    over 3 key/value heads of 200 cached tokens: 263 against 52 us on an Ice Lake Xeon, casts not counted; 1000
+    tokens: 1265 against 138 us). The fp32 products accumulate as torch's bf16 ones do, in fp32; the softmax weights
+    stay fp32 where torch's bf16 kernel rounds them to bf16 before the product with the values."""
+    return dtype == torch.bfloat16 and native_bf16() is None
+
+
+def rewrite_attention_in_fp32(graph: fx.Graph) -> int:
+    """In an aten graph of a CPU forward, run every bf16 attention (`_scaled_dot_product_flash_attention_for_cpu`,
+    what SDPA lowers to there) in fp32 where `attends_in_fp32`: queries, keys, values and a float mask cast up, the
+    output cast back (the log-sum-exp is fp32 either way); returns how many it rewrote. The compiled step's form of
+    what `_sdpa` does in an eager forward."""
+    rewritten = 0
+    for node in list(graph.nodes):
+        if node.op != "call_function" or node.target is not _FLASH_CPU:
+            continue
+        vals = [a.meta.get("val") if isinstance(a, fx.Node) else None for a in node.args[:3]]
+        if (any(v is None for v in vals) or vals[0].device.type != "cpu" or not attends_in_fp32(vals[0].dtype)
+                or not all(user.target is operator.getitem for user in node.users)):
+            continue
+        fake_mode = torch._guards.detect_fake_mode(vals)
+        with graph.inserting_before(node), fake_mode:
+            def up(n: fx.Node) -> fx.Node:
+                cast = graph.call_function(_CONVERT, (n, torch.float32))
+                cast.meta["val"] = n.meta["val"].float()
+                return cast
+
+            args = [up(a) for a in node.args[:3]] + list(node.args[3:])
+            kwargs = dict(node.kwargs)
+            mask = kwargs.get("attn_mask")
+            if isinstance(mask, fx.Node) and mask.meta["val"].is_floating_point():
+                kwargs["attn_mask"] = up(mask)
+            fp32 = graph.call_function(_FLASH_CPU, tuple(args), kwargs)
+            fp32.meta["val"] = _FLASH_CPU(*[a.meta["val"] if isinstance(a, fx.Node) else a for a in args],
+                                          **{k: v.meta["val"] if isinstance(v, fx.Node) else v
+                                             for k, v in kwargs.items()})
+            for user in list(node.users):  # getitem(node, 0): the output; getitem(node, 1): the log-sum-exp
+                index = user.args[1]
+                part = graph.call_function(operator.getitem, (fp32, index))
+                part.meta["val"] = fp32.meta["val"][index]
+                if index == 0:
+                    part = graph.call_function(_CONVERT, (part, vals[0].dtype))
+                    part.meta["val"] = fp32.meta["val"][0].to(vals[0].dtype)
+                user.replace_all_uses_with(part)
+                graph.erase_node(user)
+        graph.erase_node(node)
+        rewritten += 1
+    return rewritten
+
+
+_FLASH_CPU = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
+_CONVERT = torch.ops.prims.convert_element_type.default
 
 
 @contextlib.contextmanager

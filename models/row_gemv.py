@@ -181,19 +181,3 @@ def rewrite_one_row_products(graph: fx.Graph) -> int:
     graph.eliminate_dead_code()
     return replaced
 
-
-@functools.cache
-def one_row_pass():
-    """The inductor pass (`joint_custom_pre_pass`) that rewrites a graph's one-row products (see
-    `rewrite_one_row_products`); its uuid keys inductor's cache of compiled graphs on this file and the kernel's
-    source."""
-    from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
-
-    class OneRowProducts(CustomGraphPass):
-        def __call__(self, graph: fx.Graph) -> None:
-            rewrite_one_row_products(graph)
-
-        def uuid(self) -> bytes:
-            return get_hash_for_files((__file__, str(SOURCE)))
-
-    return OneRowProducts()

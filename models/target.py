@@ -34,7 +34,7 @@ from .cpu_kernels import CpuLinear, cpu_attention, cpu_linears
 from .errors import InputError, Unsupported
 from .kv_cache import KVCache
 from .masks import Kind, additive, after_history, windowed
-from .row_gemv import one_row_pass
+from .step_pass import step_pass
 
 logger = logging.getLogger(__name__)
 
@@ -526,7 +526,8 @@ def _compiling(device: torch.device) -> Iterator[None]:
     prepack them and fuse the products that share an input (q/k/v, gate/up); max-autotune then times its own
     GEMM templates (on CPU micro-kernels on AMX / AVX-512 / AVX2, which use the bf16 units where aten's one-row bf16
     product does not) against aten's and keeps the faster, per shape; before freezing, eyas's pass gives the one-row
-    products to its own kernel on x86 CPUs with AVX2 or better (row_gemv.py). Dynamo's recompile limit counts
+    products to its own kernel on x86 CPUs with AVX2 or better and bf16 attention to fp32 where the CPU has no bf16
+    units (step_pass.py). Dynamo's recompile limit counts
     the graphs of every compiled Target over one model class in the process (each kind of step, static then
     dynamic); past its default of 8 a new kind would silently run eager."""
     import torch._dynamo.config as dynamo
@@ -539,8 +540,9 @@ def _compiling(device: torch.device) -> Iterator[None]:
         # cpp_wrapper: the graph's ~10 kernel calls per layer are made from C++, not Python (~1.3 ms of a
         # SmolLM2-135M step)
         settings.update(max_autotune_gemm_backends="CPP,ATEN", cpp_wrapper=True)
-        # one-row products (a plain step's) through eyas's kernel on x86 CPUs with AVX2 or better (row_gemv.py)
-        settings["joint_custom_pre_pass"] = one_row_pass()
+        # one-row products (a plain step's) through eyas's kernel on x86 CPUs with AVX2 or better, bf16 attention in
+        # fp32 on CPUs without bf16 units (step_pass.py)
+        settings["joint_custom_pre_pass"] = step_pass()
     with inductor.patch(settings), dynamo.patch(recompile_limit=RECOMPILE_LIMIT):
         yield
 

@@ -1,0 +1,103 @@
+"""bf16 attention runs in fp32 on CPUs without bf16 units (`cpu_kernels.attends_in_fp32`), where torch's bf16
+attention emulates bf16 products: in an eager forward (`_sdpa`) and in a compiled step's graph (the step pass). Each
+test plays both kinds of CPU; the results are held to an fp64 reference or to the model's own forward up to bf16
+rounding."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.fx.experimental.proxy_tensor import make_fx
+
+from eyas.models import Target, cpu_kernels
+from eyas.models.step_pass import step_pass
+from tests.helpers.tiny import tiny_target
+
+NATIVE = {"avx2": True, "avx512_bf16": True, "amx_bf16": True}
+EMULATED = {"avx2": True}
+_FLASH = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
+
+
+@pytest.fixture
+def cpu(monkeypatch, request):
+    """Play a CPU with the given capabilities (native bf16 is read once per process: cleared before and after)."""
+    def play(capabilities: dict) -> None:
+        monkeypatch.setattr(torch.cpu, "get_capabilities", lambda: capabilities)
+        cpu_kernels.native_bf16.cache_clear()
+
+    request.addfinalizer(cpu_kernels.native_bf16.cache_clear)
+    return play
+
+
+def _attention(q, k, v, mask):
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=0.25, enable_gqa=True)
+
+
+def _inputs(dtype: torch.dtype, rows: int = 3) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(0)
+    shapes = [(1, 4, rows, 16), (1, 2, 40, 16), (1, 2, 40, 16), (1, 1, rows, 40)]  # GQA, an additive mask
+    return [torch.randn(s, generator=gen).to(dtype) for s in shapes]
+
+
+@pytest.mark.parametrize("capabilities", [EMULATED, NATIVE], ids=["emulated-bf16", "native-bf16"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_graph_attention_runs_in_fp32_only_over_bf16_without_bf16_units(cpu, capabilities, dtype):
+    cpu(capabilities)
+    args = _inputs(dtype)
+    gm = make_fx(_attention, tracing_mode="fake")(*args)
+    rewrites = cpu_kernels.rewrite_attention_in_fp32(gm.graph)
+    gm.graph.lint()
+    gm.recompile()
+    expect = dtype == torch.bfloat16 and capabilities is EMULATED
+    assert rewrites == int(expect)
+    flash = [n for n in gm.graph.nodes if n.target is _FLASH]
+    assert len(flash) == 1
+    ran_in = {a.meta["val"].dtype for a in flash[0].args[:3]} | {flash[0].kwargs["attn_mask"].meta["val"].dtype}
+    assert ran_in == {torch.float32 if expect else dtype}
+    got, want = gm(*args), _attention(*[a.double() for a in args])
+    assert got.dtype == dtype and got.shape == want.shape
+    eps = 2 ** -7 if dtype == torch.bfloat16 else 1e-5
+    torch.testing.assert_close(got.double(), want, rtol=eps, atol=eps * float(want.abs().max()))
+
+
+@pytest.mark.parametrize("capabilities", [EMULATED, NATIVE], ids=["emulated-bf16", "native-bf16"])
+def test_eager_bf16_attention_runs_in_fp32_without_bf16_units(cpu, monkeypatch, capabilities):
+    """A prefill, a plain step and a masked verify of a bf16 target: attention in fp32 only where the CPU has no bf16
+    units, and the logits those of the model's own forward up to bf16 rounding."""
+    cpu(capabilities)
+    target = tiny_target("llama", dtype=torch.bfloat16)
+    plain = Target(target.model, target.tokenizer, "as-is", cpu_kernels=False)
+    for t in (target, plain):
+        t.verify_mode()  # checked once per Target against the model's own forward (its own SDPA calls)
+    seen = []  # the query dtype of every SDPA call
+    sdpa = F.scaled_dot_product_attention
+
+    def spy(q, k, v, *args, **kwargs):
+        seen.append(q.dtype)
+        return sdpa(q, k, v, *args, **kwargs)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
+    logits = []
+    for t in (target, plain):
+        cache = t.new_cache(1, 16)
+        steps = [t(torch.tensor([[5, 9, 17, 30]]), cache=cache)]
+        cache.commit([4])
+        steps.append(t(torch.tensor([[41]]), cache=cache))
+        cache.commit([1])
+        steps.append(t(torch.tensor([[7, 8]]), torch.tensor([[5, 6]]), cache,
+                       torch.ones(1, 2, 7, dtype=torch.bool).tril(5)))
+        logits.append([s.logits.float() for s in steps])
+        if t is target:
+            ours, seen[:] = set(seen), []
+    assert ours == {torch.float32 if capabilities is EMULATED else torch.bfloat16}
+    assert set(seen) == {torch.bfloat16}  # the model's own attention
+    for got, want in zip(*logits):
+        torch.testing.assert_close(got, want, rtol=2 ** -5, atol=2 ** -5 * float(want.abs().max()))
+
+
+def test_step_pass_keys_compiled_graphs_on_native_bf16(cpu):
+    """A graph rewritten for a CPU without bf16 units is never taken from inductor's cache on one with them."""
+    keys = []
+    for capabilities in (EMULATED, NATIVE):
+        cpu(capabilities)
+        keys.append(step_pass().uuid())
+    assert keys[0] != keys[1]
