@@ -55,11 +55,12 @@ class CpuLinear:
     over 2..16 tokens costs far more than one token although the weights are read once either way
     (SmolLM2-135M, decoder layers alone: 2 rows 1.35-1.7x one row; its 49152x576 lm_head 2 rows
     76 -> 35 ms). A oneDNN-prepacked copy of the weight keeps a few rows near the cost of one.
-    One row runs eyas's one-row kernel (row_gemv.py) on the weight itself on any x86 CPU with AVX2;
-    elsewhere one fp32 row stays with F.linear (a GEMV) or, with `row_copy`, a contiguous [in, out]
-    copy (~2x faster than F.linear for the lm_head's one-row product). Copies are built on first use
+    One row, and the few rows it is faster at (`row_kernel_takes`: bf16 without native bf16 units, a few fp32 rows), run
+    eyas's row kernel (row_gemv.py) on the weight itself on any x86 CPU with AVX2; elsewhere one fp32 row stays with
+    F.linear (a GEMV) or, with `row_copy`, a contiguous [in, out] copy (~2x faster than F.linear for the lm_head's
+    one-row product). Copies are built on first use
     (one extra copy of the weight each) and rebuilt when the weight changes place, version or
-    shape. Anywhere else (GPU, several bf16 rows without native bf16 units, a hooked or sharded
+    shape. Anywhere else (GPU, more bf16 rows than the row kernel takes without native bf16 units, a hooked or sharded
     layer, a torch without oneDNN) the module itself runs, so every target still works unmodified.
     """
 
@@ -96,19 +97,19 @@ class CpuLinear:
             self._key = key
 
     def _row_kernel(self) -> bool:
-        """Whether one row runs eyas's one-row kernel (built for this CPU; it reads the weight in place)."""
+        """Whether eyas's row kernel is built for this CPU and takes this weight (it reads the weight in place)."""
         return self.module.weight.is_contiguous() and row_gemv.available()
 
     def kernel(self, rows: int):
         """eyas's product for an input of `rows` rows (x -> y, a drop-in for the module's forward), or None
-        where the module itself is best or must run: prepacked for several rows, eyas's one-row kernel for one row;
-        where that kernel is not built, prepacked for one bf16 row, the [in, out] copy for one row of an fp32
-        row_copy layer, otherwise F.linear's GEMV."""
+        where the module itself is best or must run: eyas's row kernel for one row and for the few rows it is faster
+        at (`row_kernel_takes`), prepacked for more; where that kernel is not built, prepacked for one bf16 row, the
+        [in, out] copy for one row of an fp32 row_copy layer, otherwise F.linear's GEMV."""
         bf16 = self.module.weight.dtype == torch.bfloat16
         if not self.applies():
             return None
-        if rows == 1 and self._row_kernel():
-            return functools.partial(_one_row, weight=self.module.weight.detach(), bias=self.module.bias)
+        if self._row_kernel() and row_kernel_takes(self.module.weight.dtype, rows):
+            return functools.partial(_through_row_kernel, weight=self.module.weight.detach(), bias=self.module.bias)
         if not (rows > 1 or self.row_copy or bf16):
             return None
         if bf16 and native_bf16() is None:  # oneDNN would emulate bf16 through fp32 as F.linear does
@@ -148,10 +149,28 @@ def _packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | N
     return _PACKED(x, packed, bias, "none", [], "")
 
 
-def _one_row(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """x [..., in] holding one row, weight [out, in] -> [..., out] through eyas's one-row kernel. A layer may see more
-    rows than the forward has tokens (MLA expands every cached latent): those take F.linear."""
-    if x.numel() != x.shape[-1]:
+def row_kernel_takes(dtype: torch.dtype, rows: int) -> bool:
+    """Whether eyas's row kernel (row_gemv.py, where it is built) is the product of `rows` input rows by `dtype`
+    weights on this CPU: one row always; in fp32 up to FP32_ROWS rows, past which oneDNN's prepacked product wins
+    (SmolLM2-135M's products, Ice Lake Xeon: 2 rows 28.5 against 44.0 ms, 4 rows 34.7 against 40.3, 8 rows 57.2
+    against 48.9); in bf16 up to row_gemv.MAX_ROWS rows where the CPU has no bf16 units (torch emulates bf16
+    products there: 4 rows 23.0 against F.linear's 73.1 ms, 16 rows 54.3 against 128.0)."""
+    if dtype not in row_gemv.DTYPES:
+        return False
+    if rows == 1:
+        return True
+    if dtype == torch.float32:
+        return rows <= FP32_ROWS
+    return native_bf16() is None and rows <= row_gemv.MAX_ROWS
+
+
+FP32_ROWS = 4
+
+
+def _through_row_kernel(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x [..., in], weight [out, in] -> [..., out] through eyas's row kernel. A layer may see more rows than the
+    forward has tokens (MLA expands every cached latent): those take F.linear where the kernel does not take them."""
+    if not row_kernel_takes(x.dtype, x.numel() // x.shape[-1]):
         return F.linear(x, weight, bias)
     y = row_gemv.row_gemv(x, [weight])
     return y if bias is None else y + bias

@@ -1,4 +1,4 @@
-// eyas::row_gemv: one input row times bf16 or fp32 weights on x86 CPUs, at the memory bandwidth.
+// eyas::row_gemv: one input row, or a few, times bf16 or fp32 weights on x86 CPUs, at the memory bandwidth.
 //
 // A decoding step multiplies one row by every weight matrix once, so its products are reads of the weights. torch's
 // products are shaped for many rows: at one row they read a weight well below the bandwidth (oneDNN's bf16 product
@@ -6,14 +6,16 @@
 // bf16 product is slower than fp32's although it reads half the bytes). This one reads each thread's share of the
 // rows as several far-apart streams at once, each with prefetches ahead (docs/design/cpu-kernels.md), and takes
 // several weights that share the input in one call (q/k/v, gate/up), so they share one parallel region and no weight
-// is concatenated or copied.
+// is concatenated or copied. A verify's few rows read each weight row from memory once, for the first of them; the
+// others find it in the cache, so a few rows cost the read plus their FMAs.
 //
 // One source, built for the machine's vector instructions (row_gemv.py passes the -m flags and names the library by
 // them): AVX512-BF16 multiplies bf16 pairs directly; AVX-512 and AVX2 widen each bf16 to fp32 (a shift: bf16 is the
 // high half of an fp32) and use fp32 FMAs, which at one row cost far less than the weight's read. fp32 weights take
 // fp32 FMAs on every build.
 //
-//   x [..., K] holding one row, weights: [N_i, K] contiguous, x's dtype  ->  [..., sum N_i] (fp32 accumulation)
+//   x [..., K] holding 1..kMaxRows rows, weights: [N_i, K] contiguous, x's dtype  ->  [..., sum N_i] (fp32
+//   accumulation)
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -107,18 +109,23 @@ struct Dot<uint16_t> {  // bf16
 constexpr int64_t kStreams = 8;
 constexpr int64_t kAhead = 2048;          // bytes prefetched ahead of each stream (into L2)
 constexpr int64_t kChunkBytes = 1 << 16;  // the least weight bytes one thread takes, so small weights stay on one
+// The most input rows a call takes: past a few dozen a product is no longer a read of the weights, and torch's
+// blocked GEMMs win.
+constexpr int64_t kMaxRows = 32;
 
 // out[s] = dot(w[s][0:K], x) for s < n (n <= kStreams); the tail of K (under a step) is read from zero-padded
-// copies, so every ISA takes it alike.
-template <typename T>
-inline void dots(const T* const* w, const T* x, int64_t K, int64_t n, float* out) {
+// copies, so every ISA takes it alike. Prefetch: the rows come from memory (the first input row), not the cache.
+// Full groups (n == kStreams, the common case) pass n as a constant, so the accumulators stay in registers.
+template <typename T, bool Prefetch, int64_t Fixed = 0>
+inline void dots(const T* const* w, const T* x, int64_t K, int64_t n_, float* out) {
+  const int64_t n = Fixed ? Fixed : n_;
   using D = Dot<T>;
   typename D::Acc acc[kStreams];
   int64_t k = 0;
   for (; k + D::lanes <= K; k += D::lanes) {
     const auto xv = D::load_x(x + k);
     for (int64_t s = 0; s < n; ++s) {
-      _mm_prefetch(reinterpret_cast<const char*>(w[s] + k) + kAhead, _MM_HINT_T1);
+      if constexpr (Prefetch) _mm_prefetch(reinterpret_cast<const char*>(w[s] + k) + kAhead, _MM_HINT_T1);
       D::fma(acc[s], w[s] + k, xv);
     }
   }
@@ -134,12 +141,15 @@ inline void dots(const T* const* w, const T* x, int64_t K, int64_t n, float* out
   for (int64_t s = 0; s < n; ++s) out[s] = D::sum(acc[s]);
 }
 
-// y[r] = dot(row r of the weights one after another, x) for every row r of them; T the element type, Out y's.
+// y[m][r] = dot(row r of the weights one after another, x[m]) for every row r of them and each of the M input rows;
+// T the element type, Out y's. Each weight row is read from memory once, for the first input row; the others take it
+// from the cache (kStreams rows of K, a few KB), so a verify of a few tokens reads the weights once as a step does.
 template <typename T, typename Out>
-void products(const T* x, const std::vector<const T*>& data, const std::vector<int64_t>& first_row, int64_t K,
-              Out* y) {
+void products(const T* x, int64_t M, const std::vector<const T*>& data, const std::vector<int64_t>& first_row,
+              int64_t K, Out* y) {
+  const int64_t N = first_row.back();
   const int64_t grain = std::max<int64_t>(1, kChunkBytes / (K * int64_t(sizeof(T))));
-  at::parallel_for(0, first_row.back(), grain, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, N, grain, [&](int64_t begin, int64_t end) {
     const int64_t run = (end - begin + kStreams - 1) / kStreams;  // rows per stream
     size_t weight[kStreams] = {};                                  // per stream: the weight its row is in
     for (int64_t j = 0; j < run; ++j) {
@@ -152,8 +162,17 @@ void products(const T* x, const std::vector<const T*>& data, const std::vector<i
         rows[n] = data[weight[n]] + (at[n] - first_row[weight[n]]) * K;
       }
       float out[kStreams];
-      dots(rows, x, K, n, out);
-      for (int64_t s = 0; s < n; ++s) y[at[s]] = Out(out[s]);
+      for (int64_t m = 0; m < M; ++m) {
+        if (m == 0 && n == kStreams)
+          dots<T, true, kStreams>(rows, x, K, n, out);
+        else if (m == 0)
+          dots<T, true>(rows, x, K, n, out);
+        else if (n == kStreams)
+          dots<T, false, kStreams>(rows, x + m * K, K, n, out);
+        else
+          dots<T, false>(rows, x + m * K, K, n, out);
+        for (int64_t s = 0; s < n; ++s) y[m * N + at[s]] = Out(out[s]);
+      }
     }
   });
 }
@@ -163,7 +182,8 @@ void run(const at::Tensor& x, at::TensorList weights, const std::vector<int64_t>
   std::vector<const T*> data;  // per weight: its first element
   for (const auto& w : weights) data.push_back(reinterpret_cast<const T*>(w.data_ptr()));
   const at::Tensor xc = x.contiguous();
-  products(reinterpret_cast<const T*>(xc.data_ptr()), data, first_row, x.size(-1), y.data_ptr<Out>());
+  const int64_t K = x.size(-1);
+  products(reinterpret_cast<const T*>(xc.data_ptr()), xc.numel() / K, data, first_row, K, y.data_ptr<Out>());
 }
 
 at::Tensor row_gemv(const at::Tensor& x, at::TensorList weights) {
@@ -171,7 +191,8 @@ at::Tensor row_gemv(const at::Tensor& x, at::TensorList weights) {
   TORCH_CHECK(x.device().is_cpu() && (dtype == at::kBFloat16 || dtype == at::kFloat),
               "eyas::row_gemv: x must be bf16 or fp32 on CPU");
   const int64_t K = x.size(-1);
-  TORCH_CHECK(x.numel() == K, "eyas::row_gemv: x must hold one row, got ", x.sizes());
+  TORCH_CHECK(K > 0 && x.numel() / K >= 1 && x.numel() / K <= kMaxRows,
+              "eyas::row_gemv: x must hold 1 to ", kMaxRows, " rows, got ", x.sizes());
   TORCH_CHECK(!weights.empty(), "eyas::row_gemv: no weights");
   std::vector<int64_t> first_row{0};  // per weight: its first row in the rows of all weights (its first output)
   for (const auto& w : weights) {

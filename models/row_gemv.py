@@ -1,15 +1,15 @@
-"""eyas's one-row product of bf16 or fp32 weights on CPU (`row_gemv.cpp`), and the inductor pass that runs a compiled
-step's one-row products through it.
+"""eyas's product of one or a few rows by bf16 or fp32 weights on CPU (`row_gemv.cpp`), and the graph rewrite that runs
+a compiled step's products through it.
 
-A decoding step multiplies one row by every weight once, so its cost is the weights' read. torch's products are
-shaped for many rows: at one row they read the weight well below the memory bandwidth (oneDNN's bf16 product and
-inductor's GEMM templates 70-80 % of it; on CPUs without bf16 instructions torch's one-row bf16 product is slower than
-an fp32 one although it reads half the bytes). eyas's kernel reads each thread's share of the rows as several
-far-apart streams with prefetches ahead, and takes the products that share an input (q/k/v, gate/up) in one call. It
-is built on first use by torch's C++ extension loader (the compiler a compiled step needs anyway, and ninja) for the
-best of the CPU's AVX512-BF16, AVX-512 and AVX2 (`isa()`), once per machine, instruction set, torch release and
-source; on other CPUs, or where the build fails (logged once), `available()` is False and every product runs torch's
-kernels as before."""
+A decoding step multiplies one row by every weight once, so its cost is the weights' read. torch's products are shaped
+for many rows: at one row they read the weight well below the memory bandwidth (oneDNN's bf16 product and inductor's
+GEMM templates 70-80 % of it; on CPUs without bf16 instructions torch's one-row bf16 product is slower than an fp32 one
+although it reads half the bytes). eyas's kernel reads each thread's share of the rows as several far-apart streams with
+prefetches ahead, and takes the products that share an input (q/k/v, gate/up) in one call; a few rows (a verify's) read
+each weight row once, the rows after the first from the cache. It is built on first use by torch's C++ extension loader
+(the compiler a compiled step needs anyway, and ninja) for the best of the CPU's AVX512-BF16, AVX-512 and AVX2
+(`isa()`), once per machine, instruction set, torch release and source; on other CPUs, or where the build fails (logged
+once), `available()` is False and every product runs torch's kernels as before."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ import sys
 import time
 from collections import defaultdict
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 from torch import fx
@@ -31,6 +31,7 @@ logger = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("row_gemv.cpp")
 _aten = torch.ops.aten
 DTYPES = (torch.bfloat16, torch.float32)  # what the kernel multiplies (x and the weights alike)
+MAX_ROWS = 32  # the most input rows a call takes (kMaxRows in row_gemv.cpp)
 STALE_LOCK_S = 600  # a build lock older than this was left by a process that died building
 
 
@@ -103,16 +104,22 @@ def _row_gemv_shape(x: torch.Tensor, weights: Sequence[torch.Tensor]) -> torch.T
 
 
 def row_gemv(x: torch.Tensor, weights: Sequence[torch.Tensor]) -> torch.Tensor:
-    """x [..., K] holding one row, weights [N_i, K] contiguous in x's dtype (one of DTYPES) -> [..., sum N_i]: x times
-    each weight, in order (what `torch.cat([F.linear(x, w) for w in weights], -1)` computes, accumulated in fp32).
-    Needs `available()`."""
+    """x [..., K] holding 1..MAX_ROWS rows, weights [N_i, K] contiguous in x's dtype (one of DTYPES) -> [..., sum N_i]:
+    x times each weight, in order (what `torch.cat([F.linear(x, w) for w in weights], -1)` computes, accumulated in
+    fp32). Needs `available()`."""
     return torch.ops.eyas.row_gemv(x, list(weights))
 
 
-def _one_row_product(node: fx.Node) -> tuple[fx.Node, fx.Node, fx.Node | None] | None:
-    """(x, weight, bias) of a graph node computing one row times a transposed [N, K] weight of the same dtype, one of
-    DTYPES (`mm(x [1, K], permute(w))`, `addmm(bias, x, permute(w))`), the form a linear layer takes in an aten
-    graph; else None."""
+def one_row(dtype: torch.dtype, rows: int) -> bool:
+    """The products `rewrite_products` gives the kernel by default: those of one row."""
+    return rows == 1
+
+
+def _product(node: fx.Node, takes: Callable[[torch.dtype, int], bool]
+             ) -> tuple[fx.Node, fx.Node, fx.Node | None] | None:
+    """(x, weight, bias) of a graph node computing rows times a transposed [N, K] weight of the same dtype, one of
+    DTYPES (`mm(x [M, K], permute(w))`, `addmm(bias, x, permute(w))`), the form a linear layer takes in an aten
+    graph, where the row count M is fixed and takes(dtype, M) holds; else None."""
     if node.target is _aten.mm.default:
         (x, wt), bias = node.args, None
     elif node.target is _aten.addmm.default and not node.kwargs:
@@ -130,8 +137,9 @@ def _one_row_product(node: fx.Node) -> tuple[fx.Node, fx.Node, fx.Node | None] |
     if xv is None or wv is None:
         return None
     shapes_fixed = all(isinstance(s, int) for s in (*xv.shape, *wv.shape))
-    if not (shapes_fixed and xv.dim() == 2 and xv.shape[0] == 1 and wv.dim() == 2 and xv.dtype in DTYPES
-            and wv.dtype == xv.dtype and xv.device.type == "cpu" and wv.is_contiguous()):
+    if not (shapes_fixed and xv.dim() == 2 and 1 <= xv.shape[0] <= MAX_ROWS and wv.dim() == 2 and xv.dtype in DTYPES
+            and wv.dtype == xv.dtype and xv.device.type == "cpu" and wv.is_contiguous()
+            and takes(xv.dtype, xv.shape[0])):
         return None
     return x, weight, bias
 
@@ -146,20 +154,21 @@ def _viewed(node: fx.Node) -> fx.Node:
 _VIEWS = (_aten.view.default, _aten.reshape.default, _aten._unsafe_view.default)
 
 
-def rewrite_one_row_products(graph: fx.Graph) -> int:
-    """Replace the graph's one-row products by eyas::row_gemv, one call per input shared by several products (its
-    output sliced per product, a bias added after); returns how many products it replaced. Run before inductor freezes
-    the weights: a product there still reads its weight as an input."""
+def rewrite_products(graph: fx.Graph, takes: Callable[[torch.dtype, int], bool] = one_row) -> int:
+    """Replace the graph's products of a fixed number of rows M by eyas::row_gemv where takes(dtype, M) holds (M up
+    to MAX_ROWS), one call per input shared by several products (its output sliced per product, a bias added after);
+    returns how many products it replaced. Run before inductor freezes the weights: a product there still reads its
+    weight as an input."""
     groups: dict[fx.Node, list] = defaultdict(list)  # by the tensor each product's row is a view of
     for node in graph.nodes:
-        if node.op == "call_function" and (found := _one_row_product(node)) is not None:
+        if node.op == "call_function" and (found := _product(node, takes)) is not None:
             groups[_viewed(found[0])].append((node, *found))
     if not groups or not available():
         return 0
     fake_mode = torch._guards.detect_fake_mode([products[0][1].meta["val"] for products in groups.values()])
     replaced = 0
     for products in groups.values():
-        x = products[0][1]  # each product's own view of one row: any of them reads the same data
+        x = products[0][1]  # each product's own view of the rows: any of them reads the same data
         weights = [weight for _, _, weight, _ in products]
         with graph.inserting_before(products[0][0]), fake_mode:
             y = graph.call_function(torch.ops.eyas.row_gemv.default, (x, weights))

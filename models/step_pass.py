@@ -1,6 +1,7 @@
 """The inductor pass a compiled decoding step runs on CPU (`Target(compile=True)`), on its aten graph before inductor
 freezes the weights:
-- one-row products to eyas's one-row kernel (`row_gemv.rewrite_one_row_products`), on x86 CPUs with AVX2 or better;
+- products of one row, or of a few where that kernel is faster than torch's (`cpu_kernels.row_kernel_takes`), to
+  eyas's row kernel (`row_gemv.rewrite_products`), on x86 CPUs with AVX2 or better;
 - bf16 attention in fp32 where the CPU has no bf16 units (`cpu_kernels.rewrite_attention_in_fp32`), what an eager
   forward's attention does there too."""
 
@@ -15,7 +16,7 @@ from . import cpu_kernels, row_gemv
 
 
 def rewrite_step(graph: fx.Graph) -> None:
-    row_gemv.rewrite_one_row_products(graph)
+    row_gemv.rewrite_products(graph, cpu_kernels.row_kernel_takes)
     cpu_kernels.rewrite_attention_in_fp32(graph)
 
 

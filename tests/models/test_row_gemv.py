@@ -31,10 +31,11 @@ def _assert_close(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> 
 @pytest.mark.parametrize("dtype", row_gemv.DTYPES)
 @pytest.mark.parametrize("k", [576, 40, 1000, 31])  # a multiple of every step's width, and tails of each length class
 @pytest.mark.parametrize("rows", [(7, 192, 1, 33), (1500, 3, 700)])  # a few rows a thread; many, over both threads
-def test_row_gemv_equals_the_products_it_replaces(k, dtype, rows):
+@pytest.mark.parametrize("inputs", [1, 3, row_gemv.MAX_ROWS])  # a step's row; a verify's few
+def test_row_gemv_equals_the_products_it_replaces(k, dtype, rows, inputs):
     gen = torch.Generator().manual_seed(k)
     weights = [torch.randn(n, k, generator=gen).to(dtype) for n in rows]
-    x = torch.randn(1, 1, k, generator=gen).to(dtype)
+    x = torch.randn(1, inputs, k, generator=gen).to(dtype)
     y = row_gemv.row_gemv(x, weights)
     _assert_close(y, _reference(x, weights), dtype)
     # a weight's rows land in its own columns, in order, whichever streams read them
@@ -51,7 +52,7 @@ gen = torch.Generator().manual_seed(0)
 for dtype, eps in ((torch.bfloat16, 2 ** -7), (torch.float32, 1e-5)):
     for k in (576, 31, 1000):
         weights = [torch.randn(n, k, generator=gen).to(dtype) for n in (3, 64, 900)]
-        x = torch.randn(1, k, generator=gen).to(dtype)
+        x = torch.randn(3, k, generator=gen).to(dtype)
         want = torch.cat([x.float() @ w.float().T for w in weights], -1)
         torch.testing.assert_close(row_gemv.row_gemv(x, weights).float(), want, rtol=eps,
                                    atol=eps * float(want.abs().max()))
@@ -90,8 +91,8 @@ def test_a_build_lock_left_by_a_killed_build_does_not_hang_the_next_start(tmp_pa
 
 @needs_kernel
 def test_row_gemv_rejects_what_it_cannot_compute():
-    x = torch.randn(2, 64).bfloat16()
-    with pytest.raises(RuntimeError, match="one row"):
+    x = torch.randn(row_gemv.MAX_ROWS + 1, 64).bfloat16()
+    with pytest.raises(RuntimeError, match=f"1 to {row_gemv.MAX_ROWS} rows"):
         row_gemv.row_gemv(x, [torch.randn(8, 64).bfloat16()])
     with pytest.raises(RuntimeError, match="contiguous"):
         row_gemv.row_gemv(x[:1], [torch.randn(64, 8).bfloat16().T])
@@ -125,7 +126,7 @@ def test_pass_rewrites_one_row_products_one_call_per_shared_input(dtype):
     gm, args = _traced(dtype, rows=1)
     want = _layer(*args)
     assert _products(gm) == 3
-    assert row_gemv.rewrite_one_row_products(gm.graph) == 3
+    assert row_gemv.rewrite_products(gm.graph) == 3
     gm.recompile()
     calls = [n for n in gm.graph.nodes if n.target is torch.ops.eyas.row_gemv.default]
     assert _products(gm) == 0 and len(calls) == 2  # x's two products in one call, tanh(h)'s in another
@@ -137,5 +138,19 @@ def test_pass_leaves_other_products_alone(dtype, rows):
     """Products of several rows (a verify's), and of dtypes the kernel does not take, keep torch's kernels, on every
     CPU."""
     gm, _ = _traced(dtype, rows)
-    assert row_gemv.rewrite_one_row_products(gm.graph) == 0
+    assert row_gemv.rewrite_products(gm.graph) == 0
     assert _products(gm) == 3
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", row_gemv.DTYPES)
+def test_pass_rewrites_the_row_counts_it_is_told_to(dtype):
+    """A verify's few rows go to the kernel where the caller's rule takes them (cpu_kernels.row_kernel_takes), with the
+    products' results; other row counts stay with torch."""
+    gm, args = _traced(dtype, rows=3)
+    want = _layer(*args)
+    assert row_gemv.rewrite_products(gm.graph, lambda dtype, rows: rows == 2) == 0
+    assert row_gemv.rewrite_products(gm.graph, lambda dtype, rows: rows == 3) == 3
+    gm.recompile()
+    assert _products(gm) == 0
+    _assert_close(gm(*args), want, dtype)

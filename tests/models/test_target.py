@@ -125,9 +125,10 @@ def test_logit_projection_runs_the_module_when_it_is_hooked():
 
 @pytest.mark.parametrize("capabilities", [{"avx2": True}, {"avx2": True, "amx_bf16": True, "avx512_bf16": True}])
 def test_bf16_linears_take_eyas_kernels_only_where_they_pay(monkeypatch, request, capabilities):
-    """One bf16 row runs eyas's one-row kernel wherever it is built (any AVX2 CPU; torch's one-row bf16 product reads
+    """One bf16 row runs eyas's row kernel wherever it is built (any AVX2 CPU; torch's one-row bf16 product reads
     the weight far below the bandwidth), else oneDNN's prepacked product on a CPU with native bf16; several rows take
-    the prepacked product only with native bf16 (elsewhere oneDNN emulates bf16 as F.linear does: the module runs)."""
+    the prepacked product with native bf16, and eyas's row kernel without (torch emulates bf16 products there) up to
+    the rows it takes; past them the module runs."""
     from eyas.models.cpu_kernels import native_bf16
 
     monkeypatch.setattr(torch.cpu, "get_capabilities", lambda: capabilities)
@@ -138,7 +139,11 @@ def test_bf16_linears_take_eyas_kernels_only_where_they_pay(monkeypatch, request
     target = tiny_target("llama", tied=False, dtype=torch.bfloat16)
     lin = target.logit_projection
     assert (lin.kernel(1) is not None) == (packing and (native or row_gemv.available()))
-    assert (lin.kernel(3) is not None) == (packing and native)
+    row_kernel = packing and row_gemv.available()
+    assert (lin.kernel(3) is not None) == (packing and native or row_kernel)
+    assert (lin.kernel(3) is not None and lin.kernel(3).func.__name__ == "_through_row_kernel") == (row_kernel
+                                                                                                  and not native)
+    assert (lin.kernel(row_gemv.MAX_ROWS + 1) is not None) == (packing and native)
     for rows in (1, 3):
         h = torch.randn(1, rows, target.hidden_size, dtype=torch.bfloat16)
         # bf16 products accumulate in fp32 either way; they may round the last bit differently
@@ -157,7 +162,7 @@ def test_decoder_linears_run_through_eyas_kernels_with_unchanged_results(arch):
         lambda module, args: shadowed.append(all("forward" in vars(lin.module) for lin in linears)))
     ids = torch.randint(4, 300, (2, 6))
     fast = target(ids, layer_ids=(1,))
-    one = target(ids[:1, :1])  # one row: eyas's one-row kernel where it is built, else F.linear (nothing shadowed)
+    one = target(ids[:1, :1])  # one row: eyas's row kernel where it is built, else F.linear (nothing shadowed)
     assert shadowed == [packing, packing and row_gemv.available()]
     assert not any("forward" in vars(lin.module) for lin in linears)  # restored after the call
     as_is = Target(target.model, target.tokenizer, "as-is", cpu_kernels=False)  # the same weights, modules as they are
@@ -167,6 +172,8 @@ def test_decoder_linears_run_through_eyas_kernels_with_unchanged_results(arch):
     torch.testing.assert_close(fast.features, plain.features, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(fast.logits, plain.logits, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(one.logits, as_is(ids[:1, :1]).logits, rtol=1e-5, atol=1e-5)
+    few = target(ids[:1, :3])  # a few fp32 rows: eyas's row kernel where it is built, else the prepacked products
+    torch.testing.assert_close(few.logits, as_is(ids[:1, :3]).logits, rtol=1e-5, atol=1e-5)
 
 
 def test_row_copy_linears_take_one_row_through_their_transposed_copy(monkeypatch):
