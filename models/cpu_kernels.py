@@ -9,9 +9,10 @@ A batch of sequences of different lengths (regeneration's slots) pays a third: e
 reads the cache up to the longest row. Rows are attended in groups, each over only the columns some
 row of it can see (`ragged_spans`, `cpu_attention(need=...)`).
 At one row torch's products read the weight below the memory bandwidth (in bf16 slower than fp32 although they read
-half the bytes: on CPUs with native bf16 instructions, AMX or AVX512-BF16, they do not use them); eyas's one-row
-kernel (row_gemv.py, any x86 CPU with AVX2) reads it nearer the bandwidth, and where the CPU has native bf16 a
-oneDNN-prepacked bf16 copy uses those units at several rows.
+half the bytes: on CPUs with native bf16 instructions, AMX or AVX512-BF16, they do not use them); eyas's row kernel
+(row_gemv.py, any x86 CPU with AVX2) reads it nearer the bandwidth, and takes a verify's few rows where torch's
+products are slower (`row_kernel_takes`); where the CPU has native bf16 a oneDNN-prepacked bf16 copy uses those units
+at several rows.
 Attention over bf16 runs in fp32 where the CPU has no bf16 units (`attends_in_fp32`): torch's bf16 attention
 emulates bf16 products there, several times slower than fp32.
 All take effect only for the duration of a Target forward and only where they apply (CPU, fp32 or bf16 for the
@@ -90,7 +91,7 @@ class CpuLinear:
         w = self.module.weight
         key = (w.data_ptr(), w._version, w.shape)
         if key != self._key:
-            # the [in, out] copy serves one row only where eyas's one-row kernel does not
+            # the [in, out] copy serves one row only where eyas's row kernel does not
             row_t = self.row_copy and w.dtype == torch.float32 and not self._row_kernel()
             self.weight_t = w.detach().t().contiguous() if row_t else None
             self.packed = torch.ops.mkldnn._reorder_linear_weight(w.detach(), None)
@@ -130,9 +131,9 @@ _PACKED = torch.ops.mkldnn._linear_pointwise.default if torch.backends.mkldnn.is
 @contextlib.contextmanager
 def cpu_linears(linears: Sequence[CpuLinear], rows: int):
     """Run the layers' own calls through eyas's kernels for the duration of the block (`CpuLinear.kernel`):
-    the prepacked copies when they see more than one row, eyas's one-row kernel at one row (where it is not
-    built, only the `row_copy` layers change, to their [in, out] copy; the rest keep F.linear). The model's
-    code is untouched: only the bound forward of each applicable instance is shadowed."""
+    eyas's row kernel at one row and the few rows it takes (`row_kernel_takes`), the prepacked copies at more (where
+    the row kernel is not built, one row changes only the `row_copy` layers, to their [in, out] copy; the rest keep
+    F.linear). The model's code is untouched: only the bound forward of each applicable instance is shadowed."""
     active = []
     for lin in linears:
         if (kernel := lin.kernel(rows)) is not None:
@@ -149,19 +150,22 @@ def _packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | N
     return _PACKED(x, packed, bias, "none", [], "")
 
 
-def row_kernel_takes(dtype: torch.dtype, rows: int) -> bool:
+def row_kernel_takes(dtype: torch.dtype, rows: int | None) -> bool:
     """Whether eyas's row kernel (row_gemv.py, where it is built) is the product of `rows` input rows by `dtype`
     weights on this CPU: one row always; in fp32 up to FP32_ROWS rows, past which oneDNN's prepacked product wins
     (SmolLM2-135M's products, Ice Lake Xeon: 2 rows 28.5 against 44.0 ms, 4 rows 34.7 against 40.3, 8 rows 57.2
     against 48.9); in bf16 up to row_gemv.MAX_ROWS rows where the CPU has no bf16 units (torch emulates bf16
-    products there: 4 rows 23.0 against F.linear's 73.1 ms, 16 rows 54.3 against 128.0)."""
+    products there: 4 rows 23.0 against F.linear's 73.1 ms, 16 rows 54.3 against 128.0). rows None (a compiled graph
+    whose row count varies: a verify's after the first change of tree size): bf16 without bf16 units, where the
+    kernel hands rows past MAX_ROWS to F.linear, emulated either way."""
     if dtype not in row_gemv.DTYPES:
         return False
     if rows == 1:
         return True
-    if dtype == torch.float32:
-        return rows <= FP32_ROWS
-    return native_bf16() is None and rows <= row_gemv.MAX_ROWS
+    bf16_rows = dtype == torch.bfloat16 and native_bf16() is None
+    if rows is None:
+        return bf16_rows
+    return rows <= FP32_ROWS if dtype == torch.float32 else bf16_rows and rows <= row_gemv.MAX_ROWS
 
 
 FP32_ROWS = 4

@@ -14,8 +14,8 @@
 // high half of an fp32) and use fp32 FMAs, which at one row cost far less than the weight's read. fp32 weights take
 // fp32 FMAs on every build.
 //
-//   x [..., K] holding 1..kMaxRows rows, weights: [N_i, K] contiguous, x's dtype  ->  [..., sum N_i] (fp32
-//   accumulation)
+//   x [..., K] holding M rows (M > kMaxRows: at::linear), weights: [N_i, K] contiguous, x's dtype  ->  [..., sum N_i]
+//   (fp32 accumulation)
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -109,8 +109,8 @@ struct Dot<uint16_t> {  // bf16
 constexpr int64_t kStreams = 8;
 constexpr int64_t kAhead = 2048;          // bytes prefetched ahead of each stream (into L2)
 constexpr int64_t kChunkBytes = 1 << 16;  // the least weight bytes one thread takes, so small weights stay on one
-// The most input rows a call takes: past a few dozen a product is no longer a read of the weights, and torch's
-// blocked GEMMs win.
+// The most input rows the kernel takes: past a few dozen a product is no longer a read of the weights, and torch's
+// blocked GEMMs win; a call with more (a graph whose row count varies) hands them to at::linear.
 constexpr int64_t kMaxRows = 32;
 
 // out[s] = dot(w[s][0:K], x) for s < n (n <= kStreams); the tail of K (under a step) is read from zero-padded
@@ -191,8 +191,7 @@ at::Tensor row_gemv(const at::Tensor& x, at::TensorList weights) {
   TORCH_CHECK(x.device().is_cpu() && (dtype == at::kBFloat16 || dtype == at::kFloat),
               "eyas::row_gemv: x must be bf16 or fp32 on CPU");
   const int64_t K = x.size(-1);
-  TORCH_CHECK(K > 0 && x.numel() / K >= 1 && x.numel() / K <= kMaxRows,
-              "eyas::row_gemv: x must hold 1 to ", kMaxRows, " rows, got ", x.sizes());
+  TORCH_CHECK(K > 0 && x.numel() >= K, "eyas::row_gemv: x must hold at least one row, got ", x.sizes());
   TORCH_CHECK(!weights.empty(), "eyas::row_gemv: no weights");
   std::vector<int64_t> first_row{0};  // per weight: its first row in the rows of all weights (its first output)
   for (const auto& w : weights) {
@@ -201,6 +200,11 @@ at::Tensor row_gemv(const at::Tensor& x, at::TensorList weights) {
                 "eyas::row_gemv: weights must be contiguous [N, ", K, "] on CPU in x's dtype (", dtype, "), got ",
                 w.scalar_type(), " ", w.sizes());
     first_row.push_back(first_row.back() + w.size(0));
+  }
+  if (x.numel() / K > kMaxRows) {
+    std::vector<at::Tensor> parts;
+    for (const auto& w : weights) parts.push_back(at::linear(x, w));
+    return at::cat(parts, -1);
   }
   auto sizes = x.sizes().vec();
   sizes.back() = first_row.back();

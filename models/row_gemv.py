@@ -31,7 +31,7 @@ logger = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("row_gemv.cpp")
 _aten = torch.ops.aten
 DTYPES = (torch.bfloat16, torch.float32)  # what the kernel multiplies (x and the weights alike)
-MAX_ROWS = 32  # the most input rows a call takes (kMaxRows in row_gemv.cpp)
+MAX_ROWS = 32  # the most input rows the kernel takes; a call with more runs F.linear (kMaxRows in row_gemv.cpp)
 STALE_LOCK_S = 600  # a build lock older than this was left by a process that died building
 
 
@@ -84,15 +84,15 @@ def available() -> bool:
     # (a build takes ~10-30 s) would hang every later start
     lock = build / "lock"
     if lock.exists() and time.time() - lock.stat().st_mtime > STALE_LOCK_S:
-        logger.warning("removing %s, left by a build of eyas's one-row kernel that did not finish", lock)
+        logger.warning("removing %s, left by a build of eyas's row kernel that did not finish", lock)
         lock.unlink(missing_ok=True)
-    logger.info("loading eyas's one-row kernel for %s (built once per machine, instruction set, torch release and "
+    logger.info("loading eyas's row kernel for %s (built once per machine, instruction set, torch release and "
                 "source, ~10 s)", isa())
     try:
         cpp_extension.load(build.name, [str(SOURCE)], build_directory=str(build), is_python_module=False,
                            extra_cflags=["-O3", "-fopenmp", *_ISAS[isa()][1]], extra_ldflags=["-fopenmp"])
     except Exception as e:  # no compiler or ninja, a failed build: torch's products stay
-        logger.warning("eyas's one-row kernel is not available (%s); steps use torch's products",
+        logger.warning("eyas's row kernel is not available (%s); steps use torch's products",
                        str(e).splitlines()[0] if str(e) else type(e).__name__)
         return False
     torch.library.register_fake("eyas::row_gemv")(_row_gemv_shape)
@@ -104,22 +104,22 @@ def _row_gemv_shape(x: torch.Tensor, weights: Sequence[torch.Tensor]) -> torch.T
 
 
 def row_gemv(x: torch.Tensor, weights: Sequence[torch.Tensor]) -> torch.Tensor:
-    """x [..., K] holding 1..MAX_ROWS rows, weights [N_i, K] contiguous in x's dtype (one of DTYPES) -> [..., sum N_i]:
-    x times each weight, in order (what `torch.cat([F.linear(x, w) for w in weights], -1)` computes, accumulated in
-    fp32). Needs `available()`."""
+    """x [..., K] holding M rows (past MAX_ROWS F.linear computes them), weights [N_i, K] contiguous in x's dtype (one
+    of DTYPES) -> [..., sum N_i]: x times each weight, in order (what `torch.cat([F.linear(x, w) for w in weights], -1)`
+    computes, accumulated in fp32). Needs `available()`."""
     return torch.ops.eyas.row_gemv(x, list(weights))
 
 
-def one_row(dtype: torch.dtype, rows: int) -> bool:
+def one_row(dtype: torch.dtype, rows: int | None) -> bool:
     """The products `rewrite_products` gives the kernel by default: those of one row."""
     return rows == 1
 
 
-def _product(node: fx.Node, takes: Callable[[torch.dtype, int], bool]
+def _product(node: fx.Node, takes: Callable[[torch.dtype, int | None], bool]
              ) -> tuple[fx.Node, fx.Node, fx.Node | None] | None:
     """(x, weight, bias) of a graph node computing rows times a transposed [N, K] weight of the same dtype, one of
     DTYPES (`mm(x [M, K], permute(w))`, `addmm(bias, x, permute(w))`), the form a linear layer takes in an aten
-    graph, where the row count M is fixed and takes(dtype, M) holds; else None."""
+    graph, where takes(dtype, M) holds (M None: a row count the graph leaves to run time); else None."""
     if node.target is _aten.mm.default:
         (x, wt), bias = node.args, None
     elif node.target is _aten.addmm.default and not node.kwargs:
@@ -136,10 +136,11 @@ def _product(node: fx.Node, takes: Callable[[torch.dtype, int], bool]
     xv, wv = x.meta.get("val"), weight.meta.get("val")
     if xv is None or wv is None:
         return None
-    shapes_fixed = all(isinstance(s, int) for s in (*xv.shape, *wv.shape))
-    if not (shapes_fixed and xv.dim() == 2 and 1 <= xv.shape[0] <= MAX_ROWS and wv.dim() == 2 and xv.dtype in DTYPES
-            and wv.dtype == xv.dtype and xv.device.type == "cpu" and wv.is_contiguous()
-            and takes(xv.dtype, xv.shape[0])):
+    if not (xv.dim() == 2 and wv.dim() == 2 and all(isinstance(s, int) for s in (xv.shape[1], *wv.shape))):
+        return None
+    rows = xv.shape[0] if isinstance(xv.shape[0], int) else None
+    if not (xv.dtype in DTYPES and wv.dtype == xv.dtype and xv.device.type == "cpu" and wv.is_contiguous()
+            and (rows is None or 1 <= rows <= MAX_ROWS) and takes(xv.dtype, rows)):
         return None
     return x, weight, bias
 
@@ -154,11 +155,11 @@ def _viewed(node: fx.Node) -> fx.Node:
 _VIEWS = (_aten.view.default, _aten.reshape.default, _aten._unsafe_view.default)
 
 
-def rewrite_products(graph: fx.Graph, takes: Callable[[torch.dtype, int], bool] = one_row) -> int:
-    """Replace the graph's products of a fixed number of rows M by eyas::row_gemv where takes(dtype, M) holds (M up
-    to MAX_ROWS), one call per input shared by several products (its output sliced per product, a bias added after);
-    returns how many products it replaced. Run before inductor freezes the weights: a product there still reads its
-    weight as an input."""
+def rewrite_products(graph: fx.Graph, takes: Callable[[torch.dtype, int | None], bool] = one_row) -> int:
+    """Replace the graph's products of M rows by eyas::row_gemv where takes(dtype, M) holds (M up to MAX_ROWS, or None
+    where the graph leaves the row count to run time), one call per input shared by several products (its output sliced
+    per product, a bias added after); returns how many products it replaced. Run before inductor freezes the weights: a
+    product there still reads its weight as an input."""
     groups: dict[fx.Node, list] = defaultdict(list)  # by the tensor each product's row is a view of
     for node in graph.nodes:
         if node.op == "call_function" and (found := _product(node, takes)) is not None:

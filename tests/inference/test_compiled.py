@@ -9,7 +9,7 @@ from torch._dynamo.utils import counters
 
 from eyas.inference import SpeculativeGenerator, TreeOptions
 from eyas.inference.bench import plain_decode
-from eyas.models import row_gemv
+from eyas.models import cpu_kernels, row_gemv
 from eyas.models.masks import after_history
 from eyas.models.sampling import Sampling
 from eyas.models.target import Target
@@ -147,3 +147,33 @@ def test_compiled_step_runs_one_row_products_through_eyas_kernel(dtype):
     assert "eyas::row_gemv" in ran and not ran & {"aten::mm", "aten::addmm", "aten::linear"}, sorted(ran)
     eps = 2 ** -5 if dtype == torch.bfloat16 else 1e-4
     torch.testing.assert_close(got, want, rtol=eps, atol=eps * float(want.abs().max()))
+
+
+@pytest.mark.skipif(not row_gemv.available(), reason="eyas::row_gemv needs an x86 CPU with AVX2")
+def test_compiled_bf16_verifies_run_the_row_kernel_without_bf16_units(monkeypatch):
+    """On a CPU without bf16 units (played here) a compiled bf16 verify's products run eyas's row kernel, in the graph
+    compiled for the first tree size and in the one that takes any size after it, and compute the eager verify's
+    logits up to bf16 rounding."""
+    monkeypatch.setattr(cpu_kernels, "native_bf16", lambda: None)  # not torch's reading: inductor's own choices stay
+    eager = tiny_target("llama", vocab_size=VOCAB, dtype=torch.bfloat16, seed=2)  # weights of its own: its own graphs
+    compiled = Target(eager.model, eager.tokenizer, eager.name_or_path, compile=True)
+    caches = {}
+    for target in (eager, compiled):
+        caches[target] = target.new_cache(1, 32)
+        target(torch.tensor([PROMPT]), cache=caches[target], logits=False)
+        caches[target].commit([len(PROMPT)])
+    n = len(PROMPT)
+    for k in (3, 5, 4):  # 5: the size changed, the graph that takes any size compiles; 4: it runs
+        ids, pos = torch.arange(1, k + 1)[None], torch.arange(n, n + k)[None]
+        allowed = after_history(torch.tensor([n]), torch.ones(1, k, k, dtype=torch.bool).tril(), n + k)
+        logits = []
+        for target in (eager, compiled):  # compiled (autotuning runs aten's products) or reused at the first call
+            logits.append(target(ids, pos, caches[target], allowed).logits.float())
+            caches[target].rollback()
+            with torch.profiler.profile() as prof:  # the decoder's products alone: no logits (their own kernel)
+                target(ids, pos, caches[target], allowed, logits=False)
+            caches[target].rollback()
+        ran = {event.key for event in prof.key_averages()}
+        assert "eyas::row_gemv" in ran and not ran & {"aten::mm", "aten::addmm", "aten::linear"}, (k, sorted(ran))
+        want, got = logits
+        torch.testing.assert_close(got, want, rtol=2 ** -5, atol=2 ** -5 * float(want.abs().max()))

@@ -31,7 +31,7 @@ def _assert_close(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> 
 @pytest.mark.parametrize("dtype", row_gemv.DTYPES)
 @pytest.mark.parametrize("k", [576, 40, 1000, 31])  # a multiple of every step's width, and tails of each length class
 @pytest.mark.parametrize("rows", [(7, 192, 1, 33), (1500, 3, 700)])  # a few rows a thread; many, over both threads
-@pytest.mark.parametrize("inputs", [1, 3, row_gemv.MAX_ROWS])  # a step's row; a verify's few
+@pytest.mark.parametrize("inputs", [1, 3, row_gemv.MAX_ROWS, row_gemv.MAX_ROWS + 1])  # a step's row; a verify's few
 def test_row_gemv_equals_the_products_it_replaces(k, dtype, rows, inputs):
     gen = torch.Generator().manual_seed(k)
     weights = [torch.randn(n, k, generator=gen).to(dtype) for n in rows]
@@ -91,9 +91,9 @@ def test_a_build_lock_left_by_a_killed_build_does_not_hang_the_next_start(tmp_pa
 
 @needs_kernel
 def test_row_gemv_rejects_what_it_cannot_compute():
-    x = torch.randn(row_gemv.MAX_ROWS + 1, 64).bfloat16()
-    with pytest.raises(RuntimeError, match=f"1 to {row_gemv.MAX_ROWS} rows"):
-        row_gemv.row_gemv(x, [torch.randn(8, 64).bfloat16()])
+    x = torch.randn(2, 64).bfloat16()
+    with pytest.raises(RuntimeError, match="at least one row"):
+        row_gemv.row_gemv(x[:0], [torch.randn(8, 64).bfloat16()])
     with pytest.raises(RuntimeError, match="contiguous"):
         row_gemv.row_gemv(x[:1], [torch.randn(64, 8).bfloat16().T])
     with pytest.raises(RuntimeError, match="x's dtype"):
