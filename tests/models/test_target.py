@@ -3,6 +3,7 @@ import torch
 
 from eyas.models import Target, row_gemv
 from eyas.models.masks import after_history, causal
+from tests.helpers.families import POST_PROCESSING, family_target
 from tests.helpers.tiny import FIXTURES, tiny_target, tiny_tokenizer
 
 
@@ -115,8 +116,25 @@ def test_logit_projection_matches_lm_head_and_follows_weight_changes(rows):
     torch.testing.assert_close(proj(h), target.lm_head(h), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("family", ["llama-tied", "opt", "mistral3-vlm", *POST_PROCESSING])
+def test_logits_are_the_models_own_and_skip_its_forward_only_where_it_adds_nothing(family):
+    """Soft-capped and scaled logits come from the model's forward; a model that adds nothing to its lm_head's
+    output has its logits from the lm_head alone, after the first call."""
+    target = family_target(family)
+    ids = torch.randint(4, 200, (1, 9), generator=torch.Generator().manual_seed(0))
+    torch.testing.assert_close(target(ids).logits, target.model(ids).logits, rtol=FP32, atol=FP32)
+    calls = []
+    target.model.register_forward_pre_hook(lambda module, args: calls.append(1))
+    # states far larger than a decoder's: logits well past the caps, where skipping a cap shows
+    hidden = 30 * torch.randn(3, target.hidden_size, generator=torch.Generator().manual_seed(1))
+    logits = target.logits(hidden)
+    assert torch.equal(logits, target._logits_through(*target._logits_slot, hidden))
+    assert (len(calls) == 1) == (family not in POST_PROCESSING)
+
+
 def test_logit_projection_runs_the_module_when_it_is_hooked():
     target = tiny_target("llama")
+    target.logits(torch.zeros(1, target.hidden_size))  # the first call's checks (`logits`) call the head too
     calls = []
     target.lm_head.register_forward_pre_hook(lambda module, args: calls.append(tuple(args[0].shape)))
     out = target(torch.randint(4, 300, (1, 5)), logits=torch.tensor([[2, 4]]))
