@@ -23,8 +23,10 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <vector>
 
 namespace {
@@ -44,6 +46,19 @@ inline V fmadd(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
 inline V even(VI v) { return _mm512_castsi512_ps(_mm512_slli_epi32(v, 16)); }
 inline V odd(VI v) { return _mm512_castsi512_ps(_mm512_and_si512(v, _mm512_set1_epi32(0xffff0000))); }
 inline float reduce(V v) { return _mm512_reduce_add_ps(v); }
+inline V widen(const uint16_t* p) {  // kLanes / 2 bf16, in order
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
+}
+inline V set1(float a) { return _mm512_set1_ps(a); }
+inline void storef(float* p, V v) { _mm512_storeu_ps(p, v); }
+inline V maxf(V a, V b) { return _mm512_max_ps(a, b); }
+inline V addf(V a, V b) { return _mm512_add_ps(a, b); }
+inline V subf(V a, V b) { return _mm512_sub_ps(a, b); }
+inline V mulf(V a, V b) { return _mm512_mul_ps(a, b); }
+inline V roundf_(V a) { return _mm512_roundscale_ps(a, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+inline V pow2(V n) {  // 2^n for integral n in the normal range
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23));
+}
 #elif defined(__AVX2__) && defined(__FMA__)
 using V = __m256;
 using VI = __m256i;
@@ -58,6 +73,19 @@ inline float reduce(V v) {
   __m128 h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   h = _mm_add_ps(h, _mm_movehl_ps(h, h));
   return _mm_cvtss_f32(_mm_add_ss(h, _mm_movehdup_ps(h)));
+}
+inline V widen(const uint16_t* p) {
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16));
+}
+inline V set1(float a) { return _mm256_set1_ps(a); }
+inline void storef(float* p, V v) { _mm256_storeu_ps(p, v); }
+inline V maxf(V a, V b) { return _mm256_max_ps(a, b); }
+inline V addf(V a, V b) { return _mm256_add_ps(a, b); }
+inline V subf(V a, V b) { return _mm256_sub_ps(a, b); }
+inline V mulf(V a, V b) { return _mm256_mul_ps(a, b); }
+inline V roundf_(V a) { return _mm256_round_ps(a, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+inline V pow2(V n) {
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23));
 }
 #else
 #error "eyas::row_gemv is built with -mavx512bf16, -mavx512f or -mavx2 -mfma (row_gemv.py picks them)"
@@ -216,8 +244,163 @@ at::Tensor row_gemv(const at::Tensor& x, at::TensorList weights) {
   return y;
 }
 
+// ---- eyas::attend: the attention of a few query rows over a cache ----------------------------------------------------
+//
+// A decoding step's attention is a few thousand multiply-adds per head over keys and values already in the cache.
+// torch's CPU flash attention is built for blocks of many query rows: at one row it costs ~50 us a layer over 200
+// cached tokens (most of it per-head GEMV calls and block set-up), and over bf16 on CPUs without bf16 units it runs
+// MKL's emulated bf16 products (~5x that). This reads the keys and values in place in their dtype (no fp32 copy of the
+// cache), computes in fp32, one (batch, head, query row) at a time, each a dot product per key, a softmax and a
+// weighted sum of the values.
+//
+//   q [B, H, T, D], k / v [B, G, S, D] (H a multiple of G: query head h reads key head h / (H / G); last dim
+//   contiguous), mask None or additive [B|1, H|1, T, S] (float of any width, or bool: True = seen), scale
+//   ->  [B, H, T, D] in q's dtype, laid out [B, T, H, D] as torch's CPU flash attention lays out its output.
+//   A query row that sees no key gets zeros.
+
+inline V widen(const float* p) { return loadf(p); }
+
+// e^x for x <= 0 (scores minus their max), to ~1e-7 relative: 2^n e^r with n = round(x log2 e), |r| <= ln 2 / 2,
+// e^r a degree-6 Taylor polynomial; under e^-87 it is 0. A scalar exp per key would cost more than the key's dot.
+inline V exp_nonpositive(V x) {
+  x = maxf(x, set1(-87.f));
+  const V n = roundf_(mulf(x, set1(1.44269504088896341f)));
+  const V r = fmadd(n, set1(-0.693359375f), fmadd(n, set1(2.12194440e-4f), x));  // x - n ln 2, ln 2 in two parts
+  V p = set1(1.f / 720);
+  for (float c : {1.f / 120, 1.f / 24, 1.f / 6, 0.5f, 1.f, 1.f}) p = fmadd(p, r, set1(c));
+  return mulf(p, pow2(n));
+}
+
+// One (batch, head, query row) over S keys and values of NV vectors of fp32 lanes each (D = NV * lanes): the query,
+// four keys' partial dots and the output stay in registers.
+template <typename T, int NV>
+void attend_row(const T* q, const T* k, int64_t k_stride, const T* v, int64_t v_stride, const float* mask,
+                int64_t mask_stride, int64_t S, float scale, float* p, float* out) {
+  constexpr int64_t n = kLanes / 2;
+  V qv[NV];
+  for (int i = 0; i < NV; ++i) qv[i] = mulf(widen(q + i * n), set1(scale));
+  int64_t j = 0;
+  for (; j + 4 <= S; j += 4) {  // four keys at a time: independent chains
+    V acc[4];
+    for (int u = 0; u < 4; ++u) acc[u] = mulf(qv[0], widen(k + (j + u) * k_stride));
+    for (int i = 1; i < NV; ++i)
+      for (int u = 0; u < 4; ++u) acc[u] = fmadd(qv[i], widen(k + (j + u) * k_stride + i * n), acc[u]);
+    for (int u = 0; u < 4; ++u) p[j + u] = reduce(acc[u]);
+  }
+  for (; j < S; ++j) {
+    V acc = mulf(qv[0], widen(k + j * k_stride));
+    for (int i = 1; i < NV; ++i) acc = fmadd(qv[i], widen(k + j * k_stride + i * n), acc);
+    p[j] = reduce(acc);
+  }
+  float top = -std::numeric_limits<float>::infinity();
+  for (j = 0; j < S; ++j) top = std::max(top, p[j] += mask ? mask[j * mask_stride] : 0.f);
+  V o0[NV], o1[NV];  // even and odd keys accumulate apart: two chains
+  for (int i = 0; i < NV; ++i) o0[i] = o1[i] = zero();
+  float total = 0.f;
+  if (top != -std::numeric_limits<float>::infinity()) {  // a row that sees no key: zeros
+    const V tv = set1(top);
+    V sum = zero();
+    for (j = 0; j + n <= S; j += n) {
+      const V e = exp_nonpositive(subf(loadf(p + j), tv));
+      storef(p + j, e);
+      sum = addf(sum, e);
+    }
+    total = reduce(sum);
+    for (; j < S; ++j) total += (p[j] = std::exp(p[j] - top));
+    for (j = 0; j + 2 <= S; j += 2) {
+      const V e0 = set1(p[j]), e1 = set1(p[j + 1]);
+      for (int i = 0; i < NV; ++i) {
+        o0[i] = fmadd(e0, widen(v + j * v_stride + i * n), o0[i]);
+        o1[i] = fmadd(e1, widen(v + (j + 1) * v_stride + i * n), o1[i]);
+      }
+    }
+    if (j < S)
+      for (int i = 0; i < NV; ++i) o0[i] = fmadd(set1(p[j]), widen(v + j * v_stride + i * n), o0[i]);
+  }
+  const V inv = set1(total > 0.f ? 1.f / total : 0.f);
+  for (int i = 0; i < NV; ++i) storef(out + i * n, mulf(addf(o0[i], o1[i]), inv));
+}
+
+constexpr int kMaxVectors = 16;  // the widest head eyas::attend takes: 16 vectors (256 dims on AVX-512, 128 on AVX2)
+
+template <typename T, typename Out, int NV>
+void attend_all(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& mask, double scale,
+                at::Tensor& out) {
+  const int64_t B = q.size(0), H = q.size(1), T_ = q.size(2), D = q.size(3), G = k.size(1), S = k.size(2);
+  const int64_t group = H / G;
+  const T* qp = reinterpret_cast<const T*>(q.data_ptr());
+  const T* kp = reinterpret_cast<const T*>(k.data_ptr());
+  const T* vp = reinterpret_cast<const T*>(v.data_ptr());
+  const float* mp = mask.defined() ? mask.data_ptr<float>() : nullptr;
+  Out* op = out.data_ptr<Out>();
+  const auto qs = q.strides(), ks = k.strides(), vs = v.strides(), os = out.strides();
+  const auto ms = mask.defined() ? mask.strides() : at::IntArrayRef();
+  // a chunk of rows of at least ~64k multiply-adds: a parallel region costs a few us
+  const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 16) / std::max<int64_t>(1, S * D));
+  at::parallel_for(0, B * H * T_, grain, [&](int64_t begin, int64_t end) {
+    std::vector<float> p(S), o(D);
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t b = i / (H * T_), h = i / T_ % H, t = i % T_, g = h / group;
+      attend_row<T, NV>(qp + b * qs[0] + h * qs[1] + t * qs[2], kp + b * ks[0] + g * ks[1], ks[2],
+                        vp + b * vs[0] + g * vs[1], vs[2], mp ? mp + b * ms[0] + h * ms[1] + t * ms[2] : nullptr,
+                        mp ? ms[3] : 0, S, float(scale), p.data(), o.data());
+      Out* orow = op + b * os[0] + h * os[1] + t * os[2];
+      for (int64_t d = 0; d < D; ++d) orow[d] = Out(o[d]);
+    }
+  });
+}
+
+template <typename T, typename Out, int NV = 1>
+void attend_dispatch(int nv, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& mask,
+                     double scale, at::Tensor& out) {
+  if constexpr (NV <= kMaxVectors) {
+    if (nv == NV) return attend_all<T, Out, NV>(q, k, v, mask, scale, out);
+    attend_dispatch<T, Out, NV + 1>(nv, q, k, v, mask, scale, out);
+  }
+}
+
+at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const c10::optional<at::Tensor>& mask,
+                  double scale) {
+  const auto dtype = q.scalar_type();
+  TORCH_CHECK(q.device().is_cpu() && (dtype == at::kBFloat16 || dtype == at::kFloat) && k.scalar_type() == dtype &&
+                  v.scalar_type() == dtype && k.device().is_cpu() && v.device().is_cpu(),
+              "eyas::attend: q, k, v must be bf16 or fp32 on CPU, of one dtype");
+  TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.sizes() == k.sizes() && k.size(0) == q.size(0) &&
+                  k.size(3) == q.size(3) && k.size(1) > 0 && q.size(1) % k.size(1) == 0,
+              "eyas::attend: q [B, H, T, D] and k, v [B, G, S, D] with H a multiple of G, got ", q.sizes(), " and ",
+              k.sizes());
+  TORCH_CHECK(q.size(3) % (kLanes / 2) == 0 && q.size(3) / (kLanes / 2) <= kMaxVectors,
+              "eyas::attend: head size ", q.size(3), " is not a multiple of ", kLanes / 2, " up to ",
+              kMaxVectors * kLanes / 2, " (`attend_takes`)");
+  const int64_t B = q.size(0), H = q.size(1), T_ = q.size(2), D = q.size(3), S = k.size(2);
+  const at::Tensor qc = q.stride(3) == 1 ? q : q.contiguous();
+  const at::Tensor kc = k.stride(3) == 1 ? k : k.contiguous();
+  const at::Tensor vc = v.stride(3) == 1 ? v : v.contiguous();
+  at::Tensor m;
+  if (mask.has_value() && mask->defined()) {
+    m = mask->scalar_type() == at::kBool
+            ? at::where(*mask, at::zeros({}, mask->options().dtype(at::kFloat)),
+                        at::full({}, -std::numeric_limits<float>::infinity(), mask->options().dtype(at::kFloat)))
+            : mask->to(at::kFloat);
+    m = m.expand({B, H, T_, S});
+  }
+  at::Tensor out = at::empty({B, T_, H, D}, q.options()).transpose(1, 2);
+  const int nv = int(D / (kLanes / 2));
+  if (dtype == at::kFloat)
+    attend_dispatch<float, float>(nv, qc, kc, vc, m, scale, out);
+  else
+    attend_dispatch<uint16_t, at::BFloat16>(nv, qc, kc, vc, m, scale, out);
+  return out;
+}
+
 }  // namespace
 
-TORCH_LIBRARY(eyas, m) { m.def("row_gemv(Tensor x, Tensor[] weights) -> Tensor"); }
+TORCH_LIBRARY(eyas, m) {
+  m.def("row_gemv(Tensor x, Tensor[] weights) -> Tensor");
+  m.def("attend(Tensor q, Tensor k, Tensor v, Tensor? mask, float scale) -> Tensor");
+}
 
-TORCH_LIBRARY_IMPL(eyas, CPU, m) { m.impl("row_gemv", &row_gemv); }
+TORCH_LIBRARY_IMPL(eyas, CPU, m) {
+  m.impl("row_gemv", &row_gemv);
+  m.impl("attend", &attend);
+}

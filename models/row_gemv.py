@@ -96,6 +96,7 @@ def available() -> bool:
                        str(e).splitlines()[0] if str(e) else type(e).__name__)
         return False
     torch.library.register_fake("eyas::row_gemv")(_row_gemv_shape)
+    torch.library.register_fake("eyas::attend")(_attend_shape)
     return True
 
 
@@ -108,6 +109,29 @@ def row_gemv(x: torch.Tensor, weights: Sequence[torch.Tensor]) -> torch.Tensor:
     of DTYPES) -> [..., sum N_i]: x times each weight, in order (what `torch.cat([F.linear(x, w) for w in weights], -1)`
     computes, accumulated in fp32). Needs `available()`."""
     return torch.ops.eyas.row_gemv(x, list(weights))
+
+
+def _attend_shape(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+                  scale: float) -> torch.Tensor:
+    b, h, t, d = q.shape
+    return q.new_empty((b, t, h, d)).transpose(1, 2)
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float) -> torch.Tensor:
+    """The attention of q [B, H, T, D] over k, v [B, G, S, D] (H a multiple of G), an additive or boolean mask None or
+    [B|1, H|1, T, S], scores scaled by `scale` -> [B, H, T, D] in q's dtype (laid out [B, T, H, D]), computed in fp32
+    reading the keys and values in place (row_gemv.cpp). Needs `available()`."""
+    return torch.ops.eyas.attend(q, k, v, mask, scale)
+
+
+ATTEND_MAX_VECTORS = 16  # the widest head eyas::attend takes, in vector registers (kMaxVectors in row_gemv.cpp)
+
+
+def attend_takes(head_dim: int) -> bool:
+    """Whether eyas::attend takes heads of this size on this CPU: whole vector registers of fp32 (16 lanes with
+    AVX-512, 8 with AVX2), at most ATTEND_MAX_VECTORS of them."""
+    lanes = 8 if isa() == "avx2" else 16
+    return isa() is not None and head_dim % lanes == 0 and 0 < head_dim // lanes <= ATTEND_MAX_VECTORS
 
 
 def one_row(dtype: torch.dtype, rows: int | None) -> bool:

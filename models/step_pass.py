@@ -2,8 +2,9 @@
 freezes the weights:
 - products of one row, or of a few where that kernel is faster than torch's (`cpu_kernels.row_kernel_takes`), to
   eyas's row kernel (`row_gemv.rewrite_products`), on x86 CPUs with AVX2 or better;
-- bf16 attention in fp32 where the CPU has no bf16 units (`cpu_kernels.rewrite_attention_in_fp32`), what an eager
-  forward's attention does there too."""
+- the attention of a few query rows to eyas's attention kernel (`cpu_kernels.attention_kernel_takes`), and other
+  bf16 attention to fp32 where the CPU has no bf16 units, what an eager forward's attention does there too
+  (`cpu_kernels.rewrite_attention`)."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from . import cpu_kernels, row_gemv
 
 def rewrite_step(graph: fx.Graph) -> None:
     row_gemv.rewrite_products(graph, cpu_kernels.row_kernel_takes)
-    cpu_kernels.rewrite_attention_in_fp32(graph)
+    cpu_kernels.rewrite_attention(graph)
 
 
 @functools.cache

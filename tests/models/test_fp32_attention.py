@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from eyas.models import Target, cpu_kernels
+from eyas.models import Target, cpu_kernels, row_gemv
 from eyas.models.step_pass import step_pass
 from tests.helpers.tiny import tiny_target
 
@@ -40,19 +40,26 @@ def _inputs(dtype: torch.dtype, rows: int = 3) -> list[torch.Tensor]:
 
 @pytest.mark.parametrize("capabilities", [EMULATED, NATIVE], ids=["emulated-bf16", "native-bf16"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_graph_attention_runs_in_fp32_only_over_bf16_without_bf16_units(cpu, capabilities, dtype):
+@pytest.mark.parametrize("rows", [1, 3, 8])
+def test_graph_attention_of_few_rows_runs_eyas_kernel_and_bf16_runs_in_fp32_without_bf16_units(
+        cpu, capabilities, dtype, rows):
+    """A graph's attention: a few query rows through eyas's kernel (fp32; bf16 without bf16 units), other bf16
+    attention in fp32 without bf16 units, the rest as it was; every result that of an fp64 reference."""
     cpu(capabilities)
-    args = _inputs(dtype)
+    args = _inputs(dtype, rows)
     gm = make_fx(_attention, tracing_mode="fake")(*args)
-    rewrites = cpu_kernels.rewrite_attention_in_fp32(gm.graph)
+    rewrites = cpu_kernels.rewrite_attention(gm.graph)
     gm.graph.lint()
     gm.recompile()
-    expect = dtype == torch.bfloat16 and capabilities is EMULATED
-    assert rewrites == int(expect)
+    emulated = dtype == torch.bfloat16 and capabilities is EMULATED
+    kernel = rows <= cpu_kernels.ATTENTION_ROWS and (dtype == torch.float32 or emulated) and row_gemv.available()
+    assert rewrites == int(kernel or emulated)
     flash = [n for n in gm.graph.nodes if n.target is _FLASH]
-    assert len(flash) == 1
-    ran_in = {a.meta["val"].dtype for a in flash[0].args[:3]} | {flash[0].kwargs["attn_mask"].meta["val"].dtype}
-    assert ran_in == {torch.float32 if expect else dtype}
+    ours = [n for n in gm.graph.nodes if n.target is torch.ops.eyas.attend.default] if kernel else []
+    assert (len(flash), len(ours)) == ((0, 1) if kernel else (1, 0))
+    if not kernel:
+        ran_in = {a.meta["val"].dtype for a in flash[0].args[:3]} | {flash[0].kwargs["attn_mask"].meta["val"].dtype}
+        assert ran_in == {torch.float32 if emulated else dtype}
     got, want = gm(*args), _attention(*[a.double() for a in args])
     assert got.dtype == dtype and got.shape == want.shape
     eps = 2 ** -7 if dtype == torch.bfloat16 else 1e-5
