@@ -14,7 +14,8 @@ half the bytes: on CPUs with native bf16 instructions, AMX or AVX512-BF16, they 
 products are slower (`row_kernel_takes`); where the CPU has native bf16 a oneDNN-prepacked bf16 copy uses those units
 at several rows.
 Attention over bf16 runs in fp32 where the CPU has no bf16 units (`attends_in_fp32`): torch's bf16 attention
-emulates bf16 products there, several times slower than fp32.
+emulates bf16 products there, several times slower than fp32. A compiled step's attention of a few query rows runs
+eyas's attention kernel (`attention_kernel_takes`, `rewrite_attention`).
 All take effect only for the duration of a Target forward and only where they apply (CPU, fp32 or bf16 for the
 linears, the model's attention going through transformers' "sdpa" entry); anywhere else the
 model's own code runs, so every target still works unmodified. The model's configuration is never

@@ -1,4 +1,6 @@
-// eyas::row_gemv: one input row, or a few, times bf16 or fp32 weights on x86 CPUs, at the memory bandwidth.
+// eyas's CPU kernels for a decoding step's few rows, built together for the machine's vector instructions:
+// eyas::row_gemv, one input row or a few times bf16 or fp32 weights at the memory bandwidth, and eyas::attend (below),
+// the attention of a few query rows over the cache.
 //
 // A decoding step multiplies one row by every weight matrix once, so its products are reads of the weights. torch's
 // products are shaped for many rows: at one row they read a weight well below the bandwidth (oneDNN's bf16 product

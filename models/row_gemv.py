@@ -1,15 +1,18 @@
-"""eyas's product of one or a few rows by bf16 or fp32 weights on CPU (`row_gemv.cpp`), and the graph rewrite that runs
-a compiled step's products through it.
+"""eyas's CPU kernels for a decoding step's few rows (`row_gemv.cpp`): the product of one or a few rows by bf16 or fp32
+weights, the attention of a few query rows over the cache (`attend`), and the graph rewrite that runs a compiled step's
+products through the first.
 
 A decoding step multiplies one row by every weight once, so its cost is the weights' read. torch's products are shaped
 for many rows: at one row they read the weight well below the memory bandwidth (oneDNN's bf16 product and inductor's
 GEMM templates 70-80 % of it; on CPUs without bf16 instructions torch's one-row bf16 product is slower than an fp32 one
 although it reads half the bytes). eyas's kernel reads each thread's share of the rows as several far-apart streams with
 prefetches ahead, and takes the products that share an input (q/k/v, gate/up) in one call; a few rows (a verify's) read
-each weight row once, the rows after the first from the cache. It is built on first use by torch's C++ extension loader
+each weight row once, the rows after the first from the cache. torch's CPU flash attention, built for blocks of many
+query rows, costs several times the work of one row's attention; `attend` computes it in fp32 over the keys and values
+in place. Both are built on first use by torch's C++ extension loader
 (the compiler a compiled step needs anyway, and ninja) for the best of the CPU's AVX512-BF16, AVX-512 and AVX2
 (`isa()`), once per machine, instruction set, torch release and source; on other CPUs, or where the build fails (logged
-once), `available()` is False and every product runs torch's kernels as before."""
+once), `available()` is False and every product and attention runs torch's kernels as before."""
 
 from __future__ import annotations
 
