@@ -56,14 +56,21 @@ for dtype, eps in ((torch.bfloat16, 2 ** -7), (torch.float32, 1e-5)):
         want = torch.cat([x.float() @ w.float().T for w in weights], -1)
         torch.testing.assert_close(row_gemv.row_gemv(x, weights).float(), want, rtol=eps,
                                    atol=eps * float(want.abs().max()))
+    q, k, v = (torch.randn(s, generator=gen).to(dtype) for s in ((1, 4, 2, 64), (1, 2, 50, 64), (1, 2, 50, 64)))
+    mask = torch.zeros(1, 1, 2, 50).masked_fill(torch.rand(1, 1, 2, 50, generator=gen) > 0.8, float("-inf"))
+    want = torch.nn.functional.scaled_dot_product_attention(
+        q.double(), k.double().repeat_interleave(2, 1), v.double().repeat_interleave(2, 1), attn_mask=mask.double(),
+        scale=0.2)
+    got = row_gemv.attend(q, k, v, mask, 0.2)
+    torch.testing.assert_close(got.double(), want, rtol=eps, atol=eps * float(want.abs().max()))
 """
 
 
 @needs_kernel
 @pytest.mark.parametrize("isa", list(row_gemv._ISAS))
 def test_every_build_this_cpu_runs_computes_the_products(isa):
-    """The kernel's builds for the instruction sets below the CPU's best (what other machines run) compute the same
-    products: a CPU with AVX512-BF16 checks all three."""
+    """The kernels' builds for the instruction sets below the CPU's best (what other machines run) compute the same
+    products and attention: a CPU with AVX512-BF16 checks all three."""
     if isa not in row_gemv.runnable():
         pytest.skip(f"this CPU lacks {isa}")
     run = subprocess.run([sys.executable, "-c", _EVERY_BUILD, isa], capture_output=True, text=True, timeout=600)
