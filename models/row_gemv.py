@@ -16,12 +16,12 @@ once), `available()` is False and every product and attention runs torch's kerne
 
 from __future__ import annotations
 
+import fcntl
 import functools
 import logging
 import os
 import re
 import sys
-import time
 from collections import defaultdict
 from pathlib import Path
 from typing import Callable, Sequence
@@ -35,7 +35,6 @@ SOURCE = Path(__file__).with_name("row_gemv.cpp")
 _aten = torch.ops.aten
 DTYPES = (torch.bfloat16, torch.float32)  # what the kernel multiplies (x and the weights alike)
 MAX_ROWS = 32  # the most input rows the kernel takes; a call with more runs F.linear (kMaxRows in row_gemv.cpp)
-STALE_LOCK_S = 600  # a build lock older than this was left by a process that died building
 
 
 # per instruction set the kernel is built for (row_gemv.cpp): the capability flags it needs and its compiler flags
@@ -83,11 +82,14 @@ def available() -> bool:
 
     build = build_directory()
     build.mkdir(parents=True, exist_ok=True)
-    # torch's loader waits for a build directory's lock without end: one left by a process killed while it built
-    # (a build takes ~10-30 s) would hang every later start
+    # torch's loader waits for a build directory's lock without end, and a process killed while it built (a build
+    # takes ~10-60 s) leaves one. eyas's own loads take turns on a lock the system drops when its holder dies, so a
+    # build lock found while holding it is left by a process that died building.
+    guard = open(build / "eyas.lock", "w")
+    fcntl.flock(guard, fcntl.LOCK_EX)
     lock = build / "lock"
-    if lock.exists() and time.time() - lock.stat().st_mtime > STALE_LOCK_S:
-        logger.warning("removing %s, left by a build of eyas's row kernel that did not finish", lock)
+    if lock.exists():
+        logger.warning("removing %s, left by a build of eyas's kernels that did not finish", lock)
         lock.unlink(missing_ok=True)
     logger.info("loading eyas's row kernel for %s (built once per machine, instruction set, torch release and "
                 "source, ~10 s)", isa())
@@ -98,6 +100,8 @@ def available() -> bool:
         logger.warning("eyas's row kernel is not available (%s); steps use torch's products",
                        str(e).splitlines()[0] if str(e) else type(e).__name__)
         return False
+    finally:
+        guard.close()  # drops the lock
     torch.library.register_fake("eyas::row_gemv")(_row_gemv_shape)
     torch.library.register_fake("eyas::attend")(_attend_shape)
     return True
