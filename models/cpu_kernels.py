@@ -79,11 +79,9 @@ class CpuLinear:
             return False
         m = self.module
         w = getattr(m, "weight", None)
-        # Sharded weights (DeepSpeed ZeRO-3, FSDP2) are only whole inside the module's own call.
         return (type(m) is nn.Linear and w is not None and w.device.type == "cpu"
                 and w.dtype in (torch.float32, torch.bfloat16)
-                and torch.backends.mkldnn.is_available()
-                and type(w.data) is torch.Tensor and not hasattr(w, "ds_id")
+                and torch.backends.mkldnn.is_available() and whole(w)
                 # hooks (accelerate offloading, user hooks) expect the module to be called
                 and not (m._forward_hooks or m._forward_pre_hooks or "forward" in vars(m)))
 
@@ -124,6 +122,12 @@ class CpuLinear:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         kernel = self.kernel(x[..., 0].numel())
         return self.module(x) if kernel is None else kernel(x)
+
+
+def whole(weight: torch.Tensor) -> bool:
+    """Whether a weight is a plain tensor held whole: a sharded one (DeepSpeed ZeRO-3, FSDP2) is whole only inside its
+    module's own call, so only that call may read it."""
+    return type(weight.data) is torch.Tensor and not hasattr(weight, "ds_id")
 
 
 _PACKED = torch.ops.mkldnn._linear_pointwise.default if torch.backends.mkldnn.is_available() else None
@@ -257,7 +261,7 @@ def attention_kernel_takes(dtype: torch.dtype, rows: int | None, head_dim: int) 
     200 cached tokens: one row 23.6 against flash attention's 52.7 us in fp32 and 24.5 against 132.5 in bf16; four rows
     50.8 against 78.3 (fp32); sixteen rows 159.5 against 130.5."""
     return (row_gemv.attend_takes(head_dim) and rows is not None and 1 <= rows <= ATTENTION_ROWS
-            and (dtype == torch.float32 or dtype == torch.bfloat16 and native_bf16() is None))
+            and (dtype == torch.float32 or attends_in_fp32(dtype)))
 
 
 ATTENTION_ROWS = 4

@@ -30,7 +30,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from transformers.cache_utils import get_layer_types_and_kwargs
 
 from .config import TargetIdentity
-from .cpu_kernels import CpuLinear, cpu_attention, cpu_linears
+from .cpu_kernels import CpuLinear, cpu_attention, cpu_linears, whole
 from .errors import InputError, Unsupported
 from .kv_cache import KVCache
 from .masks import Kind, additive, after_history, windowed
@@ -410,7 +410,7 @@ class Target(nn.Module):
         scale shows past the dtype's rounding. Never for a sharded lm_head, which only the model's forward may
         gather."""
         weight = getattr(self.lm_head, "weight", None)
-        if weight is None or type(weight.data) is not torch.Tensor or hasattr(weight, "ds_id"):
+        if weight is None or not whole(weight):
             return False
         probe = torch.randn(1, 4, self.hidden_size, generator=torch.Generator().manual_seed(0))
         probe = probe.to(device=like.device, dtype=like.dtype)
