@@ -85,23 +85,21 @@ def available() -> bool:
     # torch's loader waits for a build directory's lock without end, and a process killed while it built (a build
     # takes ~10-60 s) leaves one. eyas's own loads take turns on a lock the system drops when its holder dies, so a
     # build lock found while holding it is left by a process that died building.
-    guard = open(build / "eyas.lock", "w")
-    fcntl.flock(guard, fcntl.LOCK_EX)
-    lock = build / "lock"
-    if lock.exists():
-        logger.warning("removing %s, left by a build of eyas's kernels that did not finish", lock)
-        lock.unlink(missing_ok=True)
-    logger.info("loading eyas's row kernel for %s (built once per machine, instruction set, torch release and "
-                "source, ~10 s)", isa())
-    try:
-        cpp_extension.load(build.name, [str(SOURCE)], build_directory=str(build), is_python_module=False,
-                           extra_cflags=["-O3", "-fopenmp", *_ISAS[isa()][1]], extra_ldflags=["-fopenmp"])
-    except Exception as e:  # no compiler or ninja, a failed build: torch's products stay
-        logger.warning("eyas's row kernel is not available (%s); steps use torch's products",
-                       str(e).splitlines()[0] if str(e) else type(e).__name__)
-        return False
-    finally:
-        guard.close()  # drops the lock
+    with open(build / "eyas.lock", "w") as guard:
+        fcntl.flock(guard, fcntl.LOCK_EX)  # dropped when the file closes, or by the system if this process dies
+        lock = build / "lock"
+        if lock.exists():
+            logger.warning("removing %s, left by a build of eyas's kernels that did not finish", lock)
+            lock.unlink(missing_ok=True)
+        logger.info("loading eyas's row kernel for %s (built once per machine, instruction set, torch release and "
+                    "source, ~10 s)", isa())
+        try:
+            cpp_extension.load(build.name, [str(SOURCE)], build_directory=str(build), is_python_module=False,
+                               extra_cflags=["-O3", "-fopenmp", *_ISAS[isa()][1]], extra_ldflags=["-fopenmp"])
+        except Exception as e:  # no compiler or ninja, a failed build: torch's products stay
+            logger.warning("eyas's row kernel is not available (%s); steps use torch's products",
+                           str(e).splitlines()[0] if str(e) else type(e).__name__)
+            return False
     torch.library.register_fake("eyas::row_gemv")(_row_gemv_shape)
     torch.library.register_fake("eyas::attend")(_attend_shape)
     return True
