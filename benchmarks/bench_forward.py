@@ -12,8 +12,8 @@ hits every variant alike, over a cache of --context tokens:
   weights: inductor's GEMM templates, fused small ops), after its warm-up, whose seconds are printed.
 The memory limit: the bytes one step reads (every parameter except an untied embedding table, of which a step
 reads one row, plus the cache's keys and values at --context) over the read bandwidth measured here with the
-same threads (the fastest of a few streaming reads of a buffer far larger than the caches, at the start and again
-after each dtype's timings; the higher rate counts). `--profile` adds
+same threads (`eyas.inference.memory_limit`: the fastest of a few streaming reads of a buffer far larger than the
+caches, at the start and again after each dtype's timings; the higher rate counts). `--profile` adds
 the top ops of each variant's one-token step (torch.profiler, self CPU time). `--pieces` splits the compiled
 variant's forward, per k, into the compiled decoder call, the inductor graph inside it (the rest of the call is
 torch.compile's frame entry, guard check and wrappers), the logits, and the Target's own code around them (wall
@@ -28,38 +28,16 @@ from typing import Callable
 
 import torch
 
+from eyas.inference.memory_limit import read_bandwidth, weight_bytes
+
 KS = (1, 2, 4, 8, 16, 32)
 
 
-def read_bandwidth(gib: float = 1.0, repeats: int = 5) -> tuple[float, str]:
-    """(bytes per second, kernel): the fastest read of a `gib` GiB fp32 buffer, far larger than the caches, by
-    any of a few streaming kernels (a sum, a max, a matrix-vector product: what a one-row linear runs), the best
-    of `repeats` each. The highest rate this machine's threads reach makes the strictest limit."""
-    x = torch.ones(int(gib * 2**30) // 4 // 4096, 4096)
-    v = torch.ones(4096)
-    kernels: dict[str, Callable[[], object]] = {"sum": x.sum, "amax": x.amax, "mv": lambda: torch.mv(x, v)}
-    rates = {}
-    for name, fn in kernels.items():
-        fn()  # first touch
-        best = float("inf")
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            fn()
-            best = min(best, time.perf_counter() - t0)
-        rates[name] = x.nbytes / best
-    name = max(rates, key=rates.get)
-    return rates[name], name
-
-
 def step_bytes(target, cache) -> int:
-    """Bytes one forward reads: the parameters (an untied input embedding: one row, left out) and the cache."""
-    embed, head = target.embed_tokens.weight, target.lm_head.weight
-    params = {p.data_ptr(): p.nbytes for p in target.model.parameters()}
-    if embed.data_ptr() != head.data_ptr():
-        params.pop(embed.data_ptr(), None)
+    """Bytes one forward reads: the weights (memory_limit.weight_bytes) and the cache's keys and values."""
     kv = sum(layer.keys[:, :, :cache.width].nbytes + layer.values[:, :, :cache.width].nbytes
              for layer in cache.layers if layer.is_initialized)
-    return sum(params.values()) + kv
+    return weight_bytes(target.model) + kv
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -32,6 +32,7 @@ from eyas.models.sampling import Sampling, choose
 from eyas.models.signals import GracefulStop
 
 from .bench_report import format_table, summarize, write_plot
+from .memory_limit import measure
 from .runtimes_vllm import EngineOptions, EngineRow
 from .timing import synchronize
 
@@ -154,7 +155,8 @@ def run_bench(
 
     prompt_lookup: if set, also run transformers prompt-lookup decoding with that many
     candidate tokens. eyas_plain: also time plain one-token decoding through eyas's own Target (same kernels
-    as the verify, no drafting), to separate the speculation's gain from the Target's faster logits.
+    as the verify, no drafting), to separate the speculation's gain from the Target's faster logits; the report
+    then holds plain decoding's memory limit measured in the same run (`memory_limit`: memory_limit.py).
     eyas_chain: also run eyas verifying a chain of this many drafts at every step, no planner and no lookup
     (TreeOptions(kind="chain", depth=k, lookup=0)): what vLLM and SGLang verify, so acceptance per position
     compares step for step. Default: the engines' chain length when engines run, else off.
@@ -276,6 +278,10 @@ def _run(target, head, questions: list[Question], max_new_tokens: int, temperatu
             runtimes.update(started)
             drafts.update({name: engines.draft_tokens for name in started if not name.endswith("_plain")})
 
+        # plain decoding's bound, measured in this run (a shared host's rate drifts): before and after the questions,
+        # the higher rate (the stricter limit) counts
+        memory = measure(target.model) if eyas_plain else None
+
         # One warm-up each: first-call costs (allocations, kernel selection) stay out of the numbers; a compiled
         # target warms up over a whole answer, so the graphs of every kind of step and size are built before.
         warm = prompt_ids(target, questions[0])
@@ -301,6 +307,8 @@ def _run(target, head, questions: list[Question], max_new_tokens: int, temperatu
                 rows.append(_row(q, ids, results, times, sampling, gen.head, drafts))
                 bar.set_postfix_str(_running(rows))
         bar.close()
+    if memory is not None:
+        memory = memory.faster(measure(target.model))
     stopped = {"signal": stop.signum, "questions_done": len(rows), "questions_left": len(questions) - len(rows)}
 
     tree = asdict(gen.options)
@@ -314,6 +322,8 @@ def _run(target, head, questions: list[Question], max_new_tokens: int, temperatu
                                    **({"stopped": stopped} if stop else {})),
               # a static tree's depth is its longest path: leave the positions to the observed cycles
               **summarize(rows, sampling=sampling, depth=tree["depth"] if tree["kind"] != "static" else None)}
+    if memory is not None:
+        report["memory_limit"] = memory.as_dict()
     return report
 
 

@@ -40,6 +40,9 @@ merged later. Conventions:
   steps that accepted position k: the engine's own, eyas's under the same names), `tau` = tokens per verify
   forward = (steps + accepted) / steps, and acceptance per position by the definition above, from the counters
   (eyas's planned trees: from its cycles and their depths, as accept_rate_per_position).
+- memory_limit (with --eyas-plain): plain decoding's bound, `bytes` of weights a one-token step reads over the
+  `bandwidth` of this machine's fastest 1 GiB read (`kernel`), measured before and after the questions (the higher
+  rate counts), as `tokens_per_s`; the table says what share of it each plain runtime reached.
 - chain_vs_engine: where eyas-chain-k and an engine that recorded its proposals (vLLM) first gain a different
   number of tokens on the same step of the same question (the last step of each question, which the token cap
   may cut, is not compared); None where they agree on every step compared.
@@ -338,6 +341,8 @@ def format_runtimes(report: dict[str, Any]) -> list[str]:
                       "-" if exact is None else f"{exact:.2f}"))
     out = _aligned(lines)
     out.append("ran: " + ", ".join(s["label"] for s in runtimes.values()))
+    if (memory := report.get("memory_limit")) is not None:
+        out.append(memory_line(memory, runtimes))
     for engine, why in ((st.get("engines") or {}).get("not_run") or {}).items():
         out.append(f"not run: {engine}: {why}")
     if st.get("repeats", 1) > 1:
@@ -355,6 +360,15 @@ def format_runtimes(report: dict[str, Any]) -> list[str]:
                    f"(output token {first['token']}): {names[0]} gained {first['eyas_chain']}, {names[1]} "
                    f"{first[chain['engine']]} (after {chain['steps_agreed']} steps that agreed)")
     return out
+
+
+def memory_line(memory: dict[str, Any], runtimes: dict[str, dict[str, Any]]) -> str:
+    """Plain decoding's memory limit and how close each plain runtime (generate, eyas plain, an engine plain) came."""
+    plain = [s for name, s in runtimes.items() if name == "baseline" or name.endswith("_plain")]
+    return (f"memory limit of plain decoding: {memory['tokens_per_s']:.1f} tok/s ({memory['bytes'] / 1e6:.0f} MB of "
+            f"weights a step at {memory['bandwidth'] / 1e9:.1f} GB/s, this run's fastest 1 GiB read, "
+            f"{memory['kernel']}; the cache's reads not counted): "
+            + ", ".join(f"{s['label']} {100 * s['tokens_per_s'] / memory['tokens_per_s']:.0f} %" for s in plain))
 
 
 def _plus_minus(aa: float | None) -> str:

@@ -78,7 +78,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--eyas-plain", action="store_true",
                    help="also time plain one-token decoding through eyas's Target: separates what its faster "
                    "logits give from what speculation gives, and is the reference of the per-question speedups "
-                   "(worst, p10, share slower)")
+                   "(worst, p10, share slower); the report then gives plain decoding's memory limit (the weights' "
+                   "bytes over this machine's read rate, measured in the run) and the share of it each plain "
+                   "runtime reached")
     p.add_argument("--repeats", type=positive, default=1, metavar="N",
                    help="run every question N times, the runtimes in alternating order each time; per question the "
                    "median time counts, and the worst single run is reported too (default 1)")

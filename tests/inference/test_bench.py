@@ -88,6 +88,11 @@ def test_report_has_every_field_per_category_and_overall(tmp_path, pair):
     assert [r["question_id"] for r in rows] == [1, 2, "HumanEval/0"]
     assert all(r["exact"] and r["spec_tokens"] == r["baseline_tokens"] > 0 for r in rows)
     assert all(r["eyas_plain_exact"] and r["eyas_plain_tokens"] == r["baseline_tokens"] for r in rows)
+    memory = saved["memory_limit"]  # plain decoding's bound, measured in the run
+    untied = {n: p for n, p in pair[0].model.named_parameters() if "embed_tokens" not in n}
+    assert memory["bytes"] == sum(p.nbytes for p in untied.values())
+    assert memory["tokens_per_s"] == pytest.approx(memory["bandwidth"] / memory["bytes"])
+    assert "memory limit of plain decoding" in format_table(saved)
 
 
 def test_out_of_draft_vocab_counts_the_output_tokens_the_head_cannot_propose(tmp_path, pair):
