@@ -22,7 +22,7 @@ import json
 import logging
 import weakref
 from dataclasses import dataclass
-from typing import Iterator, Sequence
+from typing import Any, Sequence
 
 import torch
 from torch import nn
@@ -125,7 +125,7 @@ class Target(nn.Module):
         layers through copies of their weights in fp32, GQA attention without repeated keys; faster
         multi-token verifies for one extra copy of the weights in memory); False runs the modules as they are.
         compile: decode steps (forwards into a cache that already holds tokens: plain steps, tree verifies,
-        regeneration's steps) run through `torch.compile` of the decoder with frozen weights (`_compiling`):
+        regeneration's steps) run through `torch.compile` of the decoder with frozen weights (`compile_options`):
         the small ops between the weight reads fuse, the products that share an input are fused, and each product
         runs the fastest of inductor's GEMM templates and aten's for its shape, or on CPU a one-row product (bf16
         or fp32) eyas's own kernel (`models/row_gemv.py`, on x86 CPUs with AVX2 or better). A kind of step
@@ -162,7 +162,12 @@ class Target(nn.Module):
             # hooks), so the per-call hooks that capture the fused layers' states would be silently left out of a
             # graph traced without them: compiled, every layer's input is captured by hooks that stay, in every graph.
             self._captured = _layer_inputs(self._layers)
-            self._compiled = torch.compile(self.decoder, options={"guard_filter_fn": _frozen_module_guards})
+            # Dynamo's recompile limit counts the graphs of every compiled Target over one model class in the
+            # process (each kind of step, static then dynamic); past its default of 8 a new kind would silently run
+            # eager.
+            self._compiled = torch.compile(
+                self.decoder, recompile_limit=RECOMPILE_LIMIT,
+                options={"guard_filter_fn": _frozen_module_guards, **compile_options(self.device)})
 
     # ---- identity and borrowed modules ----------------------------------------------------------
     @property
@@ -334,7 +339,7 @@ class Target(nn.Module):
                     and cache.layers[0].is_initialized)
         decoder = self._compiled if compiled else self.decoder
         on_cpu = self.cpu_kernels and self.device.type == "cpu" and not compiled
-        settings = _compiling(self.device) if compiled else contextlib.nullcontext()
+        settings = _freezing() if compiled else contextlib.nullcontext()
         try:
             with writing, settings, cpu_linears([] if compiled else self._linears, b * t), cpu_attention(on_cpu, need):
                 if allowed is not None:
@@ -543,27 +548,21 @@ def _safe_vocab(vocab_size: int) -> int:
     return min(vocab_size, 1000)
 
 
-RECOMPILE_LIMIT = 64  # dynamo graphs per decoder code object in a process (see _compiling)
+RECOMPILE_LIMIT = 64  # dynamo graphs per decoder code object in a process (see compile_options)
 
 
-@contextlib.contextmanager
-def _compiling(device: torch.device) -> Iterator[None]:
-    """torch.compile's settings while a compiled step runs (and compiles): they are read when a graph compiles,
-    which is at a call, and `torch.compile(options=...)` does not reach inductor's freezing switch, so they are
-    set around every call. Freezing turns the frozen target's weights into constants, which lets inductor
+def compile_options(device: torch.device) -> dict[str, Any]:
+    """Inductor's settings for a Target's compiled steps, given to `torch.compile(options=...)`, which applies them
+    to every graph it compiles. Freezing turns the frozen target's weights into constants, which lets inductor
     prepack them and fuse the products that share an input (q/k/v, gate/up); max-autotune then times its own
     GEMM templates (on CPU micro-kernels on AMX / AVX-512 / AVX2, which use the bf16 units where aten's one-row bf16
     product does not) against aten's and keeps the faster, per shape; before freezing, eyas's pass gives the one-row
     products to its own kernel on x86 CPUs with AVX2 or better and bf16 attention to fp32 where the CPU has no bf16
-    units (step_pass.py). Dynamo's recompile limit counts
-    the graphs of every compiled Target over one model class in the process (each kind of step, static then
-    dynamic); past its default of 8 a new kind would silently run eager."""
-    import torch._dynamo.config as dynamo
-    import torch._inductor.config as inductor
-
-    settings = {"freezing": True, "max_autotune": True, "cpp.enable_concat_linear": True,
-                # the timings of every choice, printed to stderr for each product shape otherwise
-                "autotune_num_choices_displayed": 0, "max_autotune_report_choices_stats": False}
+    units (step_pass.py). Freezing is also read by dynamo as it traces (`_freezing`)."""
+    settings: dict[str, Any] = {
+        "freezing": True, "max_autotune": True, "cpp.enable_concat_linear": True,
+        # the timings of every choice, printed to stderr for each product shape otherwise
+        "autotune_num_choices_displayed": 0, "max_autotune_report_choices_stats": False}
     if device.type == "cpu":
         # cpp_wrapper: the graph's ~10 kernel calls per layer are made from C++, not Python (~1.3 ms of a
         # SmolLM2-135M step)
@@ -571,8 +570,16 @@ def _compiling(device: torch.device) -> Iterator[None]:
         # one-row products (a plain step's) through eyas's kernel on x86 CPUs with AVX2 or better, bf16 attention in
         # fp32 on CPUs without bf16 units (step_pass.py)
         settings["joint_custom_pre_pass"] = step_pass()
-    with inductor.patch(settings), dynamo.patch(recompile_limit=RECOMPILE_LIMIT):
-        yield
+    return settings
+
+
+def _freezing() -> contextlib.AbstractContextManager:
+    """Inductor's freezing switch, set around every compiled call: dynamo reads it when it traces a graph (which
+    happens at a call) to hold the weights as constants guarded by their identity, before `torch.compile`'s options
+    reach inductor. One setting: patching all of compile_options per call cost ~0.1 ms of a ~16 ms step."""
+    import torch._inductor.config as inductor
+
+    return inductor.patch(freezing=True)
 
 
 def _frozen_module_guards(entries: Sequence) -> list[bool]:
