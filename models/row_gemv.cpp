@@ -137,7 +137,7 @@ struct Dot<uint16_t> {  // bf16
 // sequential stream per core leaves the memory system idle between its requests, several keep more of them in flight
 // (a 2-core Ice Lake Xeon reads ~19 GB/s as one stream a core, ~24 as four or eight).
 constexpr int64_t kStreams = 8;
-constexpr int64_t kAhead = 2048;          // bytes prefetched ahead of each stream (into L2)
+constexpr int64_t kAhead = 1280;          // bytes prefetched ahead of each stream (into L2)
 constexpr int64_t kChunkBytes = 1 << 16;  // the least weight bytes one thread takes, so small weights stay on one
 // The most input rows the kernel takes: past a few dozen a product is no longer a read of the weights, and torch's
 // blocked GEMMs win; a call with more (a graph whose row count varies) hands them to at::linear.
@@ -386,7 +386,7 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
             : mask->to(at::kFloat);
     m = m.expand({B, H, T_, S});
   }
-  at::Tensor out = at::empty({B, T_, H, D}, q.options()).transpose(1, 2);
+  at::Tensor out = at::empty_strided({B, H, T_, D}, {T_ * H * D, D, H * D, 1}, q.options());  // [B, T, H, D] laid out
   const int nv = int(D / (kLanes / 2));
   if (dtype == at::kFloat)
     attend_dispatch<float, float>(nv, qc, kc, vc, m, scale, out);

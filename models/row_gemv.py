@@ -59,6 +59,11 @@ def isa() -> str | None:
     return next(iter(runnable()), None)
 
 
+def compile_flags() -> list[str]:
+    """The compiler flags of the kernel's build for this CPU's instruction set (`isa()`)."""
+    return ["-O3", "-fopenmp", *_ISAS[isa()][1]]
+
+
 def build_directory() -> Path:
     """Where the kernel for this CPU's instruction set (`isa()`) is built and cached (under TORCH_EXTENSIONS_DIR where
     set, as torch's own extensions are): one build per instruction set (a build directory shared by machines of other
@@ -95,7 +100,7 @@ def available() -> bool:
                     "source, ~10 s)", isa())
         try:
             cpp_extension.load(build.name, [str(SOURCE)], build_directory=str(build), is_python_module=False,
-                               extra_cflags=["-O3", "-fopenmp", *_ISAS[isa()][1]], extra_ldflags=["-fopenmp"])
+                               extra_cflags=compile_flags(), extra_ldflags=["-fopenmp"])
         except Exception as e:  # no compiler or ninja, a failed build: torch's products stay
             logger.warning("eyas's row kernel is not available (%s); steps use torch's products",
                            str(e).splitlines()[0] if str(e) else type(e).__name__)

@@ -1,0 +1,96 @@
+"""Time variants of eyas's one-row product kernel against the kernel as it is, on a real target's weights.
+
+    python benchmarks/kernel_variants.py --dtype bf16 --variant kAhead=1024 --variant kAhead=1536 kStreams=6
+
+Each variant is models/row_gemv.cpp with `constexpr` constants replaced (`NAME=VALUE ...`), built beside the source's
+own kernel under another op namespace, so every variant runs in one process on the same weights. A round runs each
+kernel over a decoding step's products in the graph's order and grouping (q/k/v and gate/up one call each, then the
+lm_head), one row each; rounds alternate the kernels, so the machine's drift hits all alike. Printed: the median
+time of a round, the weights' bytes over it, and the median per-round speed against the source's kernel. Every
+variant's outputs are checked equal to the source's first.
+"""
+from __future__ import annotations
+
+import argparse
+import re
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from torch.utils import cpp_extension
+
+from eyas.models import Target, row_gemv
+
+
+def build(source: str, assignments: list[str], namespace: str, directory: Path) -> object:
+    """The kernel of `source` with each NAME=VALUE constant replaced, loaded as torch.ops.<namespace>.row_gemv."""
+    text = source.replace("TORCH_LIBRARY(eyas,", f"TORCH_LIBRARY({namespace},")
+    text = text.replace("TORCH_LIBRARY_IMPL(eyas,", f"TORCH_LIBRARY_IMPL({namespace},")
+    for assignment in assignments:
+        name, value = assignment.split("=", 1)
+        text, n = re.subn(rf"(constexpr \w+ {re.escape(name)} = )[^;]+;", rf"\g<1>{value};", text)
+        if n != 1:
+            raise SystemExit(f"{name!r} is not one constexpr in row_gemv.cpp; name a constant it defines")
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "kernel.cpp").write_text(text)
+    cpp_extension.load(namespace, [str(directory / "kernel.cpp")], build_directory=str(directory),
+                       is_python_module=False, extra_cflags=row_gemv.compile_flags(),
+                       extra_ldflags=["-fopenmp"])
+    return getattr(torch.ops, namespace).row_gemv
+
+
+def step_products(target: Target) -> list[list[torch.Tensor]]:
+    """A plain step's weights, grouped as the compiled step calls the kernel (q/k/v and gate/up one call each, o and
+    down alone), the lm_head last; the modules named as Llama names them."""
+    groups: list[list[torch.Tensor]] = []
+    for layer in target._layers:
+        a, m = layer.self_attn, layer.mlp
+        groups += [[a.q_proj.weight, a.k_proj.weight, a.v_proj.weight], [a.o_proj.weight],
+                   [m.gate_proj.weight, m.up_proj.weight], [m.down_proj.weight]]
+    return groups + [[target.lm_head.weight]]
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--target", default="smollm2-135m", help="a Llama-shaped model (q/k/v/o, gate/up/down)")
+    p.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"])
+    p.add_argument("--variant", nargs="+", action="append", default=[], metavar="NAME=VALUE",
+                   help="constants of row_gemv.cpp to replace, e.g. kAhead=1024 kStreams=6 (repeat for more)")
+    p.add_argument("--rounds", type=int, default=100)
+    args = p.parse_args(argv)
+    if row_gemv.isa() is None:
+        raise SystemExit("this CPU has no instruction set eyas's kernel is built for (AVX2 or better)")
+    source = row_gemv.SOURCE.read_text()
+    kernels = {}
+    with tempfile.TemporaryDirectory(prefix="eyas-kernel-variants-") as tmp:
+        for i, assignments in enumerate([[], *args.variant]):
+            name = " ".join(assignments) or "as is"
+            kernels[name] = build(source, assignments, f"eyas_variant{i}", Path(tmp) / str(i))
+        target = Target.load(args.target, dtype=args.dtype, device="cpu")
+        groups = step_products(target)
+        rows = [torch.randn(1, g[0].shape[1], dtype=target.dtype) for g in groups]
+        nbytes = sum(w.numel() * w.element_size() for g in groups for w in g)
+        reference = [kernels["as is"](x, g) for x, g in zip(rows, groups)]
+        for name, kernel in kernels.items():
+            if not all(torch.equal(kernel(x, g), r) for x, g, r in zip(rows, groups, reference)):
+                raise SystemExit(f"variant {name!r} computes other products than the kernel as it is")
+        took: dict[str, list[float]] = {name: [] for name in kernels}
+        for _ in range(args.rounds):
+            for name, kernel in kernels.items():
+                t0 = time.perf_counter()
+                for x, g in zip(rows, groups):
+                    kernel(x, g)
+                took[name].append(time.perf_counter() - t0)
+    base = took["as is"]
+    print(f"{args.target} {args.dtype}: {len(groups)} calls, {nbytes / 1e6:.0f} MB a round, "
+          f"{torch.get_num_threads()} threads, medians of {args.rounds} rounds")
+    for name, times in took.items():
+        median = statistics.median(times)
+        speed = statistics.median([b / t for b, t in zip(base, times)])
+        print(f"  {name:30s} {median * 1e3:7.2f} ms  {nbytes / median / 1e9:5.1f} GB/s  speed {speed:.3f}")
+
+
+if __name__ == "__main__":
+    main()
