@@ -19,7 +19,6 @@ import time
 from pathlib import Path
 
 import torch
-from torch.utils import cpp_extension
 
 from eyas.models import Target, row_gemv
 
@@ -35,9 +34,7 @@ def build(source: str, assignments: list[str], namespace: str, directory: Path) 
             raise SystemExit(f"{name!r} is not one constexpr in row_gemv.cpp; name a constant it defines")
     directory.mkdir(parents=True, exist_ok=True)
     (directory / "kernel.cpp").write_text(text)
-    cpp_extension.load(namespace, [str(directory / "kernel.cpp")], build_directory=str(directory),
-                       is_python_module=False, extra_cflags=row_gemv.compile_flags(),
-                       extra_ldflags=["-fopenmp"])
+    row_gemv.build(namespace, directory / "kernel.cpp", directory)
     return getattr(torch.ops, namespace).row_gemv
 
 

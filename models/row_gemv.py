@@ -59,9 +59,13 @@ def isa() -> str | None:
     return next(iter(runnable()), None)
 
 
-def compile_flags() -> list[str]:
-    """The compiler flags of the kernel's build for this CPU's instruction set (`isa()`)."""
-    return ["-O3", "-fopenmp", *_ISAS[isa()][1]]
+def build(name: str, source: Path, directory: Path) -> None:
+    """Build (or load, where built) the kernels of `source` for this CPU's instruction set (`isa()`) as library
+    `name` in `directory`, registering the ops it defines."""
+    from torch.utils import cpp_extension
+
+    cpp_extension.load(name, [str(source)], build_directory=str(directory), is_python_module=False,
+                       extra_cflags=["-O3", "-fopenmp", *_ISAS[isa()][1]], extra_ldflags=["-fopenmp"])
 
 
 def build_directory() -> Path:
@@ -83,24 +87,21 @@ def available() -> bool:
     first call)."""
     if isa() is None:
         return False
-    from torch.utils import cpp_extension
-
-    build = build_directory()
-    build.mkdir(parents=True, exist_ok=True)
+    directory = build_directory()
+    directory.mkdir(parents=True, exist_ok=True)
     # torch's loader waits for a build directory's lock without end, and a process killed while it built (a build
     # takes ~10-60 s) leaves one. eyas's own loads take turns on a lock the system drops when its holder dies, so a
     # build lock found while holding it is left by a process that died building.
-    with open(build / "eyas.lock", "w") as guard:
+    with open(directory / "eyas.lock", "w") as guard:
         fcntl.flock(guard, fcntl.LOCK_EX)  # dropped when the file closes, or by the system if this process dies
-        lock = build / "lock"
+        lock = directory / "lock"
         if lock.exists():
             logger.warning("removing %s, left by a build of eyas's kernels that did not finish", lock)
             lock.unlink(missing_ok=True)
         logger.info("loading eyas's row kernel for %s (built once per machine, instruction set, torch release and "
                     "source, ~10 s)", isa())
         try:
-            cpp_extension.load(build.name, [str(SOURCE)], build_directory=str(build), is_python_module=False,
-                               extra_cflags=compile_flags(), extra_ldflags=["-fopenmp"])
+            build(directory.name, SOURCE, directory)
         except Exception as e:  # no compiler or ninja, a failed build: torch's products stay
             logger.warning("eyas's row kernel is not available (%s); steps use torch's products",
                            str(e).splitlines()[0] if str(e) else type(e).__name__)
