@@ -26,49 +26,40 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 
 class _Layer(CacheLayerMixin):
-    """One layer's buffers; where to write comes from the cache (`KVCache.writing`)."""
+    """One layer's view of the cache's buffers, for code that reads a transformers cache layer by layer; the
+    model's attention writes through `KVCache.update`."""
 
     is_sliding = False  # never evicts: windows are applied by the masks, from the recorded positions
 
-    def __init__(self, cache: "KVCache") -> None:
-        super().__init__()
-        self.cache = cache
+    def __init__(self, cache: "KVCache", index: int) -> None:
+        # not CacheLayerMixin.__init__: it assigns keys and values, which are the cache's
+        self.cache, self.index = cache, index
+
+    @property
+    def keys(self) -> torch.Tensor | None:
+        """[B, kv_heads, capacity, D], None until the layer's first write."""
+        return self.cache.key_buffers[self.index]
+
+    @property
+    def values(self) -> torch.Tensor | None:
+        return self.cache.value_buffers[self.index]
+
+    @property
+    def is_initialized(self) -> bool:
+        return self.keys is not None
+
+    @property
+    def device(self) -> torch.device:
+        return self.keys.device
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        shape = (len(self.cache.host_lengths), key_states.shape[1], self.cache.capacity, key_states.shape[3])
-        # zeros, not empty(): columns no row may see still enter the attention with weight 0, and 0 * NaN is NaN
-        self.keys = key_states.new_zeros(shape)
-        self.values = value_states.new_zeros(*shape[:3], value_states.shape[3])
-        self.device, self.is_initialized = key_states.device, True
+        self.cache.allocate(self.index, key_states, value_states)
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        """key/value_states [B, kv_heads, n, D] -> the layer's keys/values [B, kv_heads, width, D]."""
-        if not self.is_initialized:
-            self.lazy_initialization(key_states, value_states)
-        c = self.cache
-        if c.capacity > self.keys.shape[2]:
-            self._grow(c.capacity)
-        n = key_states.shape[2]
-        if c.uniform is not None:
-            start = c.uniform + c.pending
-            self.keys[:, :, start: start + n] = key_states
-            self.values[:, :, start: start + n] = value_states
-        else:
-            rows, cols = c.write_index(n, self.device)
-            self.keys[rows, :, cols] = key_states.transpose(1, 2)  # advanced indices first: [B, n, heads, D]
-            self.values[rows, :, cols] = value_states.transpose(1, 2)
-        width = c.width + n
-        return self.keys[:, :, :width], self.values[:, :, :width]
-
-    def _grow(self, capacity: int) -> None:
-        for name in ("keys", "values"):
-            old = getattr(self, name)
-            new = old.new_zeros(*old.shape[:2], capacity, old.shape[3])
-            new[:, :, : old.shape[2]] = old
-            setattr(self, name, new)
+        return self.cache.update(key_states, value_states, self.index)
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self.cache.width + query_length, 0
+        return self.cache.get_mask_sizes(query_length, self.index)
 
     def get_seq_length(self) -> int:
         return self.cache.width
@@ -78,16 +69,66 @@ class _Layer(CacheLayerMixin):
 
 
 class KVCache(Cache):
-    """Keys/values of `num_layers` layers for `batch` rows of at most `capacity` tokens each (grows if needed)."""
+    """Keys/values of `num_layers` layers for `batch` rows of at most `capacity` tokens each (grows if needed).
+
+    The buffers live in two lists on the cache, and everything a forward asks of it (`update`, the mask sizes,
+    which layers slide) is answered there, never by visiting the layer objects: a compiled step then checks one
+    tensor per buffer rather than each layer object's type and attributes (~150 of dynamo's guards for a 30-layer
+    model)."""
 
     def __init__(self, num_layers: int, batch: int, capacity: int, device: torch.device | str = "cpu") -> None:
-        super().__init__(layers=[_Layer(self) for _ in range(num_layers)])
+        super().__init__(layers=[_Layer(self, i) for i in range(num_layers)])
         self.capacity = capacity
         self.lengths = torch.zeros(batch, dtype=torch.long, device=device)  # [B] committed tokens per row
         self.host_lengths = [0] * batch  # the same, on the host: decisions about shapes need no device sync
         self.positions = torch.zeros(batch, capacity, dtype=torch.long, device=device)  # [B, capacity]
         self.pending = 0  # entries written since the last commit / rollback, the same number in every row
         self._index: tuple[int, torch.Tensor, torch.Tensor] | None = None  # (n, rows, cols) of the write in progress
+        # per layer [B, kv_heads, capacity, D], allocated at the layer's first write (its shape, dtype and device)
+        self.key_buffers: list[torch.Tensor | None] = [None] * num_layers
+        self.value_buffers: list[torch.Tensor | None] = [None] * num_layers
+
+    def allocate(self, layer: int, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        """Buffers for `layer`, shaped after its first entries key/value_states [_, kv_heads, n, D]."""
+        shape = (self.batch, key_states.shape[1], self.capacity, key_states.shape[3])
+        # zeros, not empty(): columns no row may see still enter the attention with weight 0, and 0 * NaN is NaN
+        self.key_buffers[layer] = key_states.new_zeros(shape)
+        self.value_buffers[layer] = value_states.new_zeros(*shape[:3], value_states.shape[3])
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        """key/value_states [B, kv_heads, n, D] -> layer `layer_idx`'s keys/values [B, kv_heads, width, D]."""
+        if self.key_buffers[layer_idx] is None:
+            self.allocate(layer_idx, key_states, value_states)
+        keys, values = self.key_buffers[layer_idx], self.value_buffers[layer_idx]
+        n = key_states.shape[2]
+        if self.uniform is not None:
+            start = self.uniform + self.pending
+            keys[:, :, start: start + n] = key_states
+            values[:, :, start: start + n] = value_states
+        else:
+            rows, cols = self.write_index(n, keys.device)
+            keys[rows, :, cols] = key_states.transpose(1, 2)  # advanced indices first: [B, n, heads, D]
+            values[rows, :, cols] = value_states.transpose(1, 2)
+        width = self.width + n
+        return keys[:, :, :width], values[:, :, :width]
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self.width
+
+    def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
+        return self.width + query_length, 0
+
+    # every layer is full attention to transformers' masks (windows come from eyas's masks, by position)
+    @property
+    def is_sliding(self) -> list[bool]:
+        return [False] * len(self.layers)
+
+    is_linear = is_dummy = is_sliding
+    is_compileable = False
+
+    def _buffers(self) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
+        """(layer, keys, values) of every layer written so far."""
+        return ((i, k, v) for i, (k, v) in enumerate(zip(self.key_buffers, self.value_buffers)) if k is not None)
 
     # ---- geometry -----------------------------------------------------------------------------
     @property
@@ -140,7 +181,9 @@ class KVCache(Cache):
         capacity = max(need, 2 * self.capacity)
         grown = self.positions.new_zeros(self.batch, capacity)
         grown[:, : self.capacity] = self.positions
-        self.positions, self.capacity = grown, capacity  # layers grow their buffers at their next update
+        self.positions, self.capacity = grown, capacity
+        for i, keys, values in list(self._buffers()):
+            self.key_buffers[i], self.value_buffers[i] = _widened(keys, capacity), _widened(values, capacity)
 
     def commit(self, counts: Sequence[int], index: torch.Tensor | None = None) -> None:
         """Row b keeps counts[b] pending entries: index[b, :counts[b]] (ascending indices into the pending block,
@@ -151,12 +194,11 @@ class KVCache(Cache):
             src = self.lengths[:, None] + index.to(dev)
             dst = self.lengths[:, None] + torch.arange(index.shape[1], device=dev)
             self.positions[rows, dst] = self.positions[rows, src]
-            for layer in self.layers:
-                if layer.is_initialized:
-                    d = layer.device
-                    r, s, t = rows.to(d), src.to(d), dst.to(d)
-                    layer.keys[r, :, t] = layer.keys[r, :, s]  # gathered (a copy) before written
-                    layer.values[r, :, t] = layer.values[r, :, s]
+            for _, keys, values in self._buffers():
+                d = keys.device
+                r, s, t = rows.to(d), src.to(d), dst.to(d)
+                keys[r, :, t] = keys[r, :, s]  # gathered (a copy) before written
+                values[r, :, t] = values[r, :, s]
         self.host_lengths = [n + int(k) for n, k in zip(self.host_lengths, counts)]
         self.lengths = self.lengths + torch.as_tensor(list(counts), device=self.lengths.device)
         self.pending = 0
@@ -175,13 +217,11 @@ class KVCache(Cache):
         for hole, row in zip(holes, [r for r in keep if r >= n]):
             order[hole] = row
             self.positions[hole, :width] = self.positions[row, :width]
-            for layer in self.layers:
-                if layer.is_initialized:
-                    layer.keys[hole, :, :width] = layer.keys[row, :, :width]
-                    layer.values[hole, :, :width] = layer.values[row, :, :width]
-        for layer in self.layers:
-            if layer.is_initialized:
-                layer.keys, layer.values = layer.keys[:n], layer.values[:n]
+            for _, keys, values in self._buffers():
+                keys[hole, :, :width] = keys[row, :, :width]
+                values[hole, :, :width] = values[row, :, :width]
+        for i, keys, values in list(self._buffers()):
+            self.key_buffers[i], self.value_buffers[i] = keys[:n], values[:n]
         self.positions = self.positions[:n]
         self.lengths = self.lengths[torch.tensor(order, device=self.lengths.device)]
         self.host_lengths = [self.host_lengths[r] for r in order]
@@ -195,12 +235,17 @@ class KVCache(Cache):
         if n > self.capacity:
             self._reserve(n)
         self.positions[row, :n] = positions
-        for layer, k, v in zip(self.layers, keys, values):
-            if not layer.is_initialized:
-                layer.lazy_initialization(k[None], v[None])
-            if self.capacity > layer.keys.shape[2]:
-                layer._grow(self.capacity)
-            layer.keys[row, :, :n] = k
-            layer.values[row, :, :n] = v
+        for i, (k, v) in enumerate(zip(keys, values)):
+            if self.key_buffers[i] is None:
+                self.allocate(i, k[None], v[None])
+            self.key_buffers[i][row, :, :n] = k
+            self.value_buffers[i][row, :, :n] = v
         self.host_lengths[row] = n
         self.lengths[row] = n
+
+
+def _widened(x: torch.Tensor, capacity: int) -> torch.Tensor:
+    """x [B, kv_heads, C, D] with `capacity` columns, the first C as they were."""
+    wide = x.new_zeros(*x.shape[:2], capacity, x.shape[3])
+    wide[:, :, : x.shape[2]] = x
+    return wide
