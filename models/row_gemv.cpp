@@ -29,6 +29,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <numeric>
 #include <vector>
 
 namespace {
@@ -61,6 +62,9 @@ inline V roundf_(V a) { return _mm512_roundscale_ps(a, _MM_FROUND_TO_NEAREST_INT
 inline V pow2(V n) {  // 2^n for integral n in the normal range
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23));
 }
+inline __m256 halves(V v) {  // its two 256-bit halves added
+  return _mm256_add_ps(_mm512_castps512_ps256(v), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
+}
 #elif defined(__AVX2__) && defined(__FMA__)
 using V = __m256;
 using VI = __m256i;
@@ -89,6 +93,7 @@ inline V roundf_(V a) { return _mm256_round_ps(a, _MM_FROUND_TO_NEAREST_INT | _M
 inline V pow2(V n) {
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23));
 }
+inline __m256 halves(V v) { return v; }
 #else
 #error "eyas::row_gemv is built with -mavx512bf16, -mavx512f or -mavx2 -mfma (row_gemv.py picks them)"
 #endif
@@ -252,8 +257,9 @@ at::Tensor row_gemv(const at::Tensor& x, at::TensorList weights) {
 // torch's CPU flash attention is built for blocks of many query rows: at one row it costs ~50 us a layer over 200
 // cached tokens (most of it per-head GEMV calls and block set-up), and over bf16 on CPUs without bf16 units it runs
 // MKL's emulated bf16 products (~5x that). This reads the keys and values in place in their dtype (no fp32 copy of the
-// cache), computes in fp32, one (batch, head, query row) at a time, each a dot product per key, a softmax and a
-// weighted sum of the values.
+// cache), computes in fp32, one (batch, key/value head, query row) at a time for the query heads that share that
+// key/value head (a GQA group: each key and value row is read and widened once for all of them), each a dot product
+// per key, a softmax and a weighted sum of the values.
 //
 //   q [B, H, T, D], k / v [B, G, S, D] (H a multiple of G: query head h reads key head h / (H / G); last dim
 //   contiguous), mask None or additive [B|1, H|1, T, S] (float of any width, or bool: True = seen), scale
@@ -273,63 +279,125 @@ inline V exp_nonpositive(V x) {
   return mulf(p, pow2(n));
 }
 
-// One (batch, head, query row) over S keys and values of NV vectors of fp32 lanes each (D = NV * lanes): the query,
-// four keys' partial dots and the output stay in registers.
-template <typename T, int NV>
-void attend_row(const T* q, const T* k, int64_t k_stride, const T* v, int64_t v_stride, const float* mask,
-                int64_t mask_stride, int64_t S, float scale, float* p, float* out) {
-  constexpr int64_t n = kLanes / 2;
-  V qv[NV];
-  for (int i = 0; i < NV; ++i) qv[i] = mulf(widen(q + i * n), set1(scale));
-  int64_t j = 0;
-  for (; j + 4 <= S; j += 4) {  // four keys at a time: independent chains
-    V acc[4];
-    for (int u = 0; u < 4; ++u) acc[u] = mulf(qv[0], widen(k + (j + u) * k_stride));
-    for (int i = 1; i < NV; ++i)
-      for (int u = 0; u < 4; ++u) acc[u] = fmadd(qv[i], widen(k + (j + u) * k_stride + i * n), acc[u]);
-    for (int u = 0; u < 4; ++u) p[j + u] = reduce(acc[u]);
-  }
-  for (; j < S; ++j) {
-    V acc = mulf(qv[0], widen(k + j * k_stride));
-    for (int i = 1; i < NV; ++i) acc = fmadd(qv[i], widen(k + j * k_stride + i * n), acc);
-    p[j] = reduce(acc);
-  }
-  float top = -std::numeric_limits<float>::infinity();
-  for (j = 0; j < S; ++j) top = std::max(top, p[j] += mask ? mask[j * mask_stride] : 0.f);
-  V o0[NV], o1[NV];  // even and odd keys accumulate apart: two chains
-  for (int i = 0; i < NV; ++i) o0[i] = o1[i] = zero();
-  float total = 0.f;
-  if (top != -std::numeric_limits<float>::infinity()) {  // a row that sees no key: zeros
-    const V tv = set1(top);
-    V sum = zero();
-    for (j = 0; j + n <= S; j += n) {
-      const V e = exp_nonpositive(subf(loadf(p + j), tv));
-      storef(p + j, e);
-      sum = addf(sum, e);
-    }
-    total = reduce(sum);
-    for (; j < S; ++j) total += (p[j] = std::exp(p[j] - top));
-    for (j = 0; j + 2 <= S; j += 2) {
-      const V e0 = set1(p[j]), e1 = set1(p[j + 1]);
-      for (int i = 0; i < NV; ++i) {
-        o0[i] = fmadd(e0, widen(v + j * v_stride + i * n), o0[i]);
-        o1[i] = fmadd(e1, widen(v + (j + 1) * v_stride + i * n), o1[i]);
-      }
-    }
-    if (j < S)
-      for (int i = 0; i < NV; ++i) o0[i] = fmadd(set1(p[j]), widen(v + j * v_stride + i * n), o0[i]);
-  }
-  const V inv = set1(total > 0.f ? 1.f / total : 0.f);
-  for (int i = 0; i < NV; ++i) storef(out + i * n, mulf(addf(o0[i], o1[i]), inv));
+constexpr int kMaxVectors = 16;  // the widest head eyas::attend takes: 16 vectors (256 dims on AVX-512, 128 on AVX2)
+
+// The sums of four vectors into out[0..3]: one shuffle tree for the four, a quarter of four reductions' work.
+inline void reduce4(V a, V b, V c, V d, float* out) {
+  const __m256 abcd = _mm256_hadd_ps(_mm256_hadd_ps(halves(a), halves(b)), _mm256_hadd_ps(halves(c), halves(d)));
+  _mm_storeu_ps(out, _mm_add_ps(_mm256_castps256_ps128(abcd), _mm256_extractf128_ps(abcd, 1)));
 }
 
-constexpr int kMaxVectors = 16;  // the widest head eyas::attend takes: 16 vectors (256 dims on AVX-512, 128 on AVX2)
+// Scores p[0:S] plus a mask row -> e^(p - top) in place, top their max; returns their sum, 0 for a row that sees no
+// key (top -inf).
+inline float softmax_row(float* p, const float* mask, int64_t mask_stride, int64_t S, float& top) {
+  constexpr int64_t n = kLanes / 2;
+  top = -std::numeric_limits<float>::infinity();
+  for (int64_t j = 0; j < S; ++j) top = std::max(top, p[j] += mask ? mask[j * mask_stride] : 0.f);
+  if (top == -std::numeric_limits<float>::infinity()) return 0.f;
+  const V tv = set1(top);
+  V sum = zero();
+  int64_t j = 0;
+  for (; j + n <= S; j += n) {
+    const V e = exp_nonpositive(subf(loadf(p + j), tv));
+    storef(p + j, e);
+    sum = addf(sum, e);
+  }
+  float total = reduce(sum);
+  for (; j < S; ++j) total += (p[j] = std::exp(p[j] - top));
+  return total;
+}
+
+// One query row of R query heads that read the same key/value head (GQA) over S of its keys and values, each a row
+// of NV vectors of fp32 lanes (D = NV * lanes): every key and value row is widened once for the R heads, four keys'
+// partial dots of a head are reduced together, and each value row is prefetched as its key is read (the cache is
+// cold: a step's weight reads have evicted it). p [R, S] is scratch; part [R, D + 2] the result, per head the
+// unnormalised sum of values weighted by e^(score - top), then top and the weights' sum (merge_parts).
+template <typename T, int NV, int R>
+void attend_heads(const T* const* q, const T* k, int64_t k_stride, const T* v, int64_t v_stride,
+                  const float* const* mask, int64_t mask_stride, int64_t S, float scale, float* p, float* part) {
+  constexpr int64_t n = kLanes / 2, D = NV * n, kRowBytes = D * int64_t(sizeof(T));
+  V qv[R][NV];
+  for (int r = 0; r < R; ++r)
+    for (int i = 0; i < NV; ++i) qv[r][i] = mulf(widen(q[r] + i * n), set1(scale));
+  int64_t j = 0;
+  for (; j + 4 <= S; j += 4) {  // four keys at a time: 4 R independent chains
+    V acc[R][4];
+    for (int u = 0; u < 4; ++u) {
+      const T* kr = k + (j + u) * k_stride;
+      const char* vr = reinterpret_cast<const char*>(v + (j + u) * v_stride);
+      for (int64_t b = 0; b < kRowBytes; b += 64) _mm_prefetch(vr + b, _MM_HINT_T0);
+      for (int i = 0; i < NV; ++i) {
+        const V kv = widen(kr + i * n);
+        for (int r = 0; r < R; ++r) acc[r][u] = i ? fmadd(qv[r][i], kv, acc[r][u]) : mulf(qv[r][0], kv);
+      }
+    }
+    for (int r = 0; r < R; ++r) reduce4(acc[r][0], acc[r][1], acc[r][2], acc[r][3], p + r * S + j);
+  }
+  for (; j < S; ++j)
+    for (int r = 0; r < R; ++r) {
+      V acc = mulf(qv[r][0], widen(k + j * k_stride));
+      for (int i = 1; i < NV; ++i) acc = fmadd(qv[r][i], widen(k + j * k_stride + i * n), acc);
+      p[r * S + j] = reduce(acc);
+    }
+  float total[R], top[R];
+  for (int r = 0; r < R; ++r)
+    if ((total[r] = softmax_row(p + r * S, mask[r], mask_stride, S, top[r])) == 0.f)
+      std::fill(p + r * S, p + (r + 1) * S, 0.f);
+  V o[R][NV];  // R * NV independent chains (attend_block keeps R * NV <= 16, or R = 1)
+  for (int r = 0; r < R; ++r)
+    for (int i = 0; i < NV; ++i) o[r][i] = zero();
+  for (j = 0; j < S; ++j)
+    for (int i = 0; i < NV; ++i) {
+      const V vv = widen(v + j * v_stride + i * n);
+      for (int r = 0; r < R; ++r) o[r][i] = fmadd(set1(p[r * S + j]), vv, o[r][i]);
+    }
+  for (int r = 0; r < R; ++r) {  // a row that sees no key: zeros (not 0 times whatever the values hold)
+    float* out = part + r * (D + 2);
+    for (int i = 0; i < NV; ++i) storef(out + i * n, total[r] > 0.f ? o[r][i] : zero());
+    out[D] = top[r];
+    out[D + 1] = total[r];
+  }
+}
+
+// The attention of one head from its key chunks' parts (attend_heads; `stride` floats apart): the chunks' weighted
+// sums rescaled to the largest top and divided by the weights' total (flash-decoding's merge); zeros where no chunk
+// saw a key.
+template <typename Out>
+void merge_parts(const float* part, int64_t chunks, int64_t stride, int64_t D, Out* out) {
+  float top = -std::numeric_limits<float>::infinity();
+  for (int64_t c = 0; c < chunks; ++c) top = std::max(top, part[c * stride + D]);
+  if (top == -std::numeric_limits<float>::infinity()) {
+    std::fill(out, out + D, Out(0.f));
+    return;
+  }
+  float o[kMaxVectors * (kLanes / 2)] = {}, total = 0.f;
+  for (int64_t c = 0; c < chunks; ++c) {
+    const float* pc = part + c * stride;
+    const float w = std::exp(pc[D] - top);  // 0 for a chunk that saw no key (its sums are 0 too)
+    total += pc[D + 1] * w;
+    for (int64_t d = 0; d < D; ++d) o[d] += pc[d] * w;
+  }
+  for (int64_t d = 0; d < D; ++d) out[d] = Out(o[d] / total);
+}
+
+// How many query heads of a GQA group one attend_heads call takes: their outputs' NV vectors each stay in registers.
+constexpr int heads_per_block(int nv) { return std::max(1, std::min(4, 16 / nv)); }
+constexpr int64_t kMinKeys = 32;  // the fewest keys a chunk of a row's keys takes (attend_all)
+
+template <typename T, int NV, int R = 1>
+void attend_block(int r, const T* const* q, const T* k, int64_t k_stride, const T* v, int64_t v_stride,
+                  const float* const* mask, int64_t mask_stride, int64_t S, float scale, float* p, float* part) {
+  if constexpr (R <= heads_per_block(NV)) {
+    if (r == R) return attend_heads<T, NV, R>(q, k, k_stride, v, v_stride, mask, mask_stride, S, scale, p, part);
+    attend_block<T, NV, R + 1>(r, q, k, k_stride, v, v_stride, mask, mask_stride, S, scale, p, part);
+  }
+}
 
 template <typename T, typename Out, int NV>
 void attend_all(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& mask, double scale,
                 at::Tensor& out) {
   const int64_t B = q.size(0), H = q.size(1), T_ = q.size(2), D = q.size(3), G = k.size(1), S = k.size(2);
-  const int64_t group = H / G;
+  const int64_t group = H / G, per = heads_per_block(NV), blocks = (group + per - 1) / per;
   const T* qp = reinterpret_cast<const T*>(q.data_ptr());
   const T* kp = reinterpret_cast<const T*>(k.data_ptr());
   const T* vp = reinterpret_cast<const T*>(v.data_ptr());
@@ -337,19 +405,39 @@ void attend_all(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, c
   Out* op = out.data_ptr<Out>();
   const auto qs = q.strides(), ks = k.strides(), vs = v.strides(), os = out.strides();
   const auto ms = mask.defined() ? mask.strides() : at::IntArrayRef();
-  // a chunk of rows of at least ~64k multiply-adds: a parallel region costs a few us
-  const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 16) / std::max<int64_t>(1, S * D));
-  at::parallel_for(0, B * H * T_, grain, [&](int64_t begin, int64_t end) {
-    std::vector<float> p(S), o(D);
+  // rows: (batch, key/value head, query row, block of that head's query heads). Where they do not divide evenly among
+  // the threads (a step's 3 key/value heads on 2 threads), each row's keys are split into chunks that do (at least
+  // kMinKeys each), merged after: every thread gets as much work.
+  const int64_t rows = B * G * T_ * blocks, threads = at::get_num_threads();
+  const int64_t chunks = std::max<int64_t>(1, std::min(threads / std::gcd(rows, threads), S / kMinKeys));
+  const int64_t span = (S + chunks - 1) / chunks, stride = D + 2;  // keys per chunk; floats per head's part
+  std::vector<float> parts(rows * chunks * per * stride);
+  // a run of units of at least ~64k multiply-adds: a parallel region costs a few us
+  const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 16) / std::max<int64_t>(1, span * D * per));
+  at::parallel_for(0, rows * chunks, grain, [&](int64_t begin, int64_t end) {
+    std::vector<float> p(per * span);
+    const T* qr[4];
+    const float* mr[4];
     for (int64_t i = begin; i < end; ++i) {
-      const int64_t b = i / (H * T_), h = i / T_ % H, t = i % T_, g = h / group;
-      attend_row<T, NV>(qp + b * qs[0] + h * qs[1] + t * qs[2], kp + b * ks[0] + g * ks[1], ks[2],
-                        vp + b * vs[0] + g * vs[1], vs[2], mp ? mp + b * ms[0] + h * ms[1] + t * ms[2] : nullptr,
-                        mp ? ms[3] : 0, S, float(scale), p.data(), o.data());
-      Out* orow = op + b * os[0] + h * os[1] + t * os[2];
-      for (int64_t d = 0; d < D; ++d) orow[d] = Out(o[d]);
+      const int64_t row = i / chunks, c = i % chunks, j0 = c * span, n = std::max<int64_t>(0, std::min(span, S - j0));
+      const int64_t b = row / (G * T_ * blocks), g = row / (T_ * blocks) % G, t = row / blocks % T_;
+      const int64_t h0 = g * group + row % blocks * per, r = std::min(per, g * group + group - h0);
+      for (int64_t u = 0; u < r; ++u) {
+        qr[u] = qp + b * qs[0] + (h0 + u) * qs[1] + t * qs[2];
+        mr[u] = mp ? mp + b * ms[0] + (h0 + u) * ms[1] + t * ms[2] + j0 * ms[3] : nullptr;
+      }
+      attend_block<T, NV>(int(r), qr, kp + b * ks[0] + g * ks[1] + j0 * ks[2], ks[2],
+                          vp + b * vs[0] + g * vs[1] + j0 * vs[2], vs[2], mr, mp ? ms[3] : 0, n, float(scale),
+                          p.data(), parts.data() + i * per * stride);
     }
   });
+  for (int64_t row = 0; row < rows; ++row) {
+    const int64_t b = row / (G * T_ * blocks), g = row / (T_ * blocks) % G, t = row / blocks % T_;
+    const int64_t h0 = g * group + row % blocks * per, r = std::min(per, g * group + group - h0);
+    for (int64_t u = 0; u < r; ++u)
+      merge_parts(parts.data() + (row * chunks * per + u) * stride, chunks, per * stride, D,
+                  op + b * os[0] + (h0 + u) * os[1] + t * os[2]);
+  }
 }
 
 template <typename T, typename Out, int NV = 1>

@@ -166,25 +166,32 @@ def test_pass_rewrites_the_row_counts_it_is_told_to(dtype):
 @pytest.mark.parametrize("dtype", row_gemv.DTYPES)
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("rows", [1, 4])
-@pytest.mark.parametrize("mask_kind", ["none", "additive", "bool"])
-def test_attend_equals_attention_over_cache_slices(dtype, head_dim, rows, mask_kind):
-    """eyas::attend over a slice of a wider cache (keys and values strided, as a step reads them), two sequences, GQA,
-    a mask per sequence (a row that sees nothing gives zeros), against fp64 attention."""
+@pytest.mark.parametrize("mask_kind", ["none", "additive", "bool", "per_head"])
+@pytest.mark.parametrize("heads,kv_heads", [(9, 3), (8, 1), (4, 4)])
+def test_attend_equals_attention_over_cache_slices(dtype, head_dim, rows, mask_kind, heads, kv_heads):
+    """eyas::attend over a slice of a wider cache (keys and values strided, as a step reads them), one or two
+    sequences, GQA groups of 3 and 8 query heads and plain multi-head attention, a mask per sequence or per head (a row
+    that sees nothing gives zeros, one that sees only the last keys), against fp64 attention. One sequence of 3
+    key/value heads on 2 threads splits each head's keys in chunks (merged after)."""
     if not row_gemv.attend_takes(head_dim):
         pytest.skip(f"heads of {head_dim} are not whole vector registers here")
-    gen = torch.Generator().manual_seed(head_dim + rows)
-    q = torch.randn(2, 6, rows, head_dim, generator=gen).to(dtype)
-    cache = torch.randn(2, 2, 2, 90, head_dim, generator=gen).to(dtype)  # [k|v, B, G, capacity, D]
+    gen = torch.Generator().manual_seed(head_dim + rows + heads)
+    group = heads // kv_heads
+    batch = 1 if rows == 1 else 2
+    q = torch.randn(batch, heads, rows, head_dim, generator=gen).to(dtype)
+    cache = torch.randn(2, batch, kv_heads, 90, head_dim, generator=gen).to(dtype)  # [k|v, B, G, capacity, D]
     k, v = cache[0, :, :, :75], cache[1, :, :, :75]
-    seen = torch.rand(2, 1, rows, 75, generator=gen) > 0.3
-    seen[1, 0, -1] = False  # a row that sees no key
-    mask = {"none": None, "bool": seen,
-            "additive": torch.zeros(2, 1, rows, 75).masked_fill(~seen, float("-inf")).to(dtype)}[mask_kind]
+    seen = torch.rand(batch, heads if mask_kind == "per_head" else 1, rows, 75, generator=gen) > 0.3
+    seen[0, 0, 0] = torch.arange(75) >= 60  # a row that sees only the last keys
+    if batch * rows > 1:
+        seen[-1, 0, -1] = False  # one that sees none
+    additive = torch.zeros(seen.shape).masked_fill(~seen, float("-inf")).to(dtype)
+    mask = {"none": None, "bool": seen, "additive": additive, "per_head": additive}[mask_kind]
     got = row_gemv.attend(q, k, v, mask, 0.3)
-    scores = 0.3 * q.double() @ k.double().repeat_interleave(3, 1).transpose(-1, -2)
+    scores = 0.3 * q.double() @ k.double().repeat_interleave(group, 1).transpose(-1, -2)
     if mask is not None:
         scores = scores.masked_fill(~seen, float("-inf"))
     weights = torch.softmax(scores, -1).nan_to_num(0.0)  # no key seen: zeros
-    want = weights @ v.double().repeat_interleave(3, 1)
+    want = weights @ v.double().repeat_interleave(group, 1)
     assert got.stride() == got.transpose(1, 2).contiguous().transpose(1, 2).stride()  # laid out [B, T, H, D]
     _assert_close(got, want, dtype)
