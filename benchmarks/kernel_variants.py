@@ -6,8 +6,9 @@ Each variant is models/row_gemv.cpp with `constexpr` constants replaced (`NAME=V
 own kernel under another op namespace, so every variant runs in one process on the same weights. A round runs each
 kernel over a decoding step's products in the graph's order and grouping (q/k/v and gate/up one call each, then the
 lm_head), one row each; rounds alternate the kernels, so the machine's drift hits all alike. Printed: the median
-time of a round, the weights' bytes over it, and the median per-round speed against the source's kernel. Every
-variant's outputs are checked equal to the source's first.
+time of a round, the weights' bytes over it and their share of the machine's read bandwidth (`read_bandwidth`, the
+higher of its measurements before and after the rounds), and the median per-round speed against the source's
+kernel. Every variant's outputs are checked equal to the source's first.
 """
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from eyas.inference.memory_limit import read_bandwidth
 from eyas.models import Target, row_gemv
 
 
@@ -73,6 +75,7 @@ def main(argv: list[str] | None = None) -> None:
         for name, kernel in kernels.items():
             if not all(torch.equal(kernel(x, g), r) for x, g, r in zip(rows, groups, reference)):
                 raise SystemExit(f"variant {name!r} computes other products than the kernel as it is")
+        bandwidth = read_bandwidth()[0]
         took: dict[str, list[float]] = {name: [] for name in kernels}
         for _ in range(args.rounds):
             for name, kernel in kernels.items():
@@ -80,13 +83,16 @@ def main(argv: list[str] | None = None) -> None:
                 for x, g in zip(rows, groups):
                     kernel(x, g)
                 took[name].append(time.perf_counter() - t0)
+        bandwidth = max(bandwidth, read_bandwidth()[0])
     base = took["as is"]
     print(f"{args.target} {args.dtype}: {len(groups)} calls, {nbytes / 1e6:.0f} MB a round, "
-          f"{torch.get_num_threads()} threads, medians of {args.rounds} rounds")
+          f"{torch.get_num_threads()} threads, medians of {args.rounds} rounds; read bandwidth "
+          f"{bandwidth / 1e9:.1f} GB/s")
     for name, times in took.items():
         median = statistics.median(times)
         speed = statistics.median([b / t for b, t in zip(base, times)])
-        print(f"  {name:30s} {median * 1e3:7.2f} ms  {nbytes / median / 1e9:5.1f} GB/s  speed {speed:.3f}")
+        print(f"  {name:30s} {median * 1e3:7.2f} ms  {nbytes / median / 1e9:5.1f} GB/s "
+              f"({nbytes / median / bandwidth:4.0%} of it)  speed {speed:.3f}")
 
 
 if __name__ == "__main__":
