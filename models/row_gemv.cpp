@@ -340,9 +340,7 @@ void attend_heads(const T* const* q, const T* k, int64_t k_stride, const T* v, i
       p[r * S + j] = reduce(acc);
     }
   float total[R], top[R];
-  for (int r = 0; r < R; ++r)
-    if ((total[r] = softmax_row(p + r * S, mask[r], mask_stride, S, top[r])) == 0.f)
-      std::fill(p + r * S, p + (r + 1) * S, 0.f);
+  for (int r = 0; r < R; ++r) total[r] = softmax_row(p + r * S, mask[r], mask_stride, S, top[r]);
   V o[R][NV];  // R * NV independent chains (attend_block keeps R * NV <= 16, or R = 1)
   for (int r = 0; r < R; ++r)
     for (int i = 0; i < NV; ++i) o[r][i] = zero();
@@ -381,7 +379,8 @@ void merge_parts(const float* part, int64_t chunks, int64_t stride, int64_t D, O
 }
 
 // How many query heads of a GQA group one attend_heads call takes: their outputs' NV vectors each stay in registers.
-constexpr int heads_per_block(int nv) { return std::max(1, std::min(4, 16 / nv)); }
+constexpr int kBlockHeads = 4;
+constexpr int heads_per_block(int nv) { return std::max(1, std::min(kBlockHeads, 16 / nv)); }
 constexpr int64_t kMinKeys = 32;  // the fewest keys a chunk of a row's keys takes (attend_all)
 
 template <typename T, int NV, int R = 1>
@@ -412,16 +411,20 @@ void attend_all(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, c
   const int64_t chunks = std::max<int64_t>(1, std::min(threads / std::gcd(rows, threads), S / kMinKeys));
   const int64_t span = (S + chunks - 1) / chunks, stride = D + 2;  // keys per chunk; floats per head's part
   std::vector<float> parts(rows * chunks * per * stride);
+  struct Row { int64_t b, g, t, h0, heads; };  // a row's batch, key/value head, query row, first query head, count
+  const auto row_at = [&](int64_t row) {
+    const int64_t g = row / (T_ * blocks) % G, h0 = g * group + row % blocks * per;
+    return Row{row / (G * T_ * blocks), g, row / blocks % T_, h0, std::min(per, g * group + group - h0)};
+  };
   // a run of units of at least ~64k multiply-adds: a parallel region costs a few us
   const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 16) / std::max<int64_t>(1, span * D * per));
   at::parallel_for(0, rows * chunks, grain, [&](int64_t begin, int64_t end) {
     std::vector<float> p(per * span);
-    const T* qr[4];
-    const float* mr[4];
+    const T* qr[kBlockHeads];
+    const float* mr[kBlockHeads];
     for (int64_t i = begin; i < end; ++i) {
-      const int64_t row = i / chunks, c = i % chunks, j0 = c * span, n = std::max<int64_t>(0, std::min(span, S - j0));
-      const int64_t b = row / (G * T_ * blocks), g = row / (T_ * blocks) % G, t = row / blocks % T_;
-      const int64_t h0 = g * group + row % blocks * per, r = std::min(per, g * group + group - h0);
+      const int64_t c = i % chunks, j0 = c * span, n = std::max<int64_t>(0, std::min(span, S - j0));
+      const auto [b, g, t, h0, r] = row_at(i / chunks);
       for (int64_t u = 0; u < r; ++u) {
         qr[u] = qp + b * qs[0] + (h0 + u) * qs[1] + t * qs[2];
         mr[u] = mp ? mp + b * ms[0] + (h0 + u) * ms[1] + t * ms[2] + j0 * ms[3] : nullptr;
@@ -432,8 +435,7 @@ void attend_all(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, c
     }
   });
   for (int64_t row = 0; row < rows; ++row) {
-    const int64_t b = row / (G * T_ * blocks), g = row / (T_ * blocks) % G, t = row / blocks % T_;
-    const int64_t h0 = g * group + row % blocks * per, r = std::min(per, g * group + group - h0);
+    const auto [b, g, t, h0, r] = row_at(row);
     for (int64_t u = 0; u < r; ++u)
       merge_parts(parts.data() + (row * chunks * per + u) * stride, chunks, per * stride, D,
                   op + b * os[0] + (h0 + u) * os[1] + t * os[2]);
