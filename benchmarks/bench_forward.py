@@ -12,8 +12,9 @@ hits every variant alike, over a cache of --context tokens:
   weights: inductor's GEMM templates, fused small ops), after its warm-up, whose seconds are printed.
 The memory limit: the bytes one step reads (every parameter except an untied embedding table, of which a step
 reads one row, plus the cache's keys and values at --context) over the read bandwidth measured here with the
-same threads (`eyas.inference.memory_limit`: the fastest of a few streaming reads of a buffer far larger than the
-caches, at the start and again after each dtype's timings; the higher rate counts). `--profile` adds
+same threads (`eyas.inference.memory_limit.ReadRate`: the fastest of a few streaming reads of a buffer far larger
+than the caches, read before each dtype's timings and after every 10 rounds of them; the upper median of those reads
+counts, their range is printed). `--profile` adds
 the top ops of each variant's one-token step (torch.profiler, self CPU time). `--pieces` splits the compiled
 variant's forward, per k, into the compiled decoder call, the inductor graph inside it (the rest of the call is
 torch.compile's frame entry, guard check and wrappers), the logits, and the Target's own code around them (wall
@@ -28,7 +29,7 @@ from typing import Callable
 
 import torch
 
-from eyas.inference.memory_limit import read_bandwidth, weight_bytes
+from eyas.inference.memory_limit import ReadRate, weight_bytes
 
 KS = (1, 2, 4, 8, 16, 32)
 
@@ -55,19 +56,19 @@ def main(argv: list[str] | None = None) -> None:
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    bandwidth, kernel = read_bandwidth()
-    print(f"read bandwidth {bandwidth / 1e9:.1f} GB/s with {torch.get_num_threads()} threads ({kernel})", flush=True)
     for dtype in args.dtype:
-        measure(args, dtype, bandwidth)
+        measure(args, dtype)
 
 
-def measure(args, dtype: str, bandwidth: float) -> None:
+def measure(args, dtype: str) -> None:
     from transformers import DynamicCache
 
     from eyas.models import Target
     from eyas.models.masks import after_history, causal
 
     eager = Target.load(args.target, dtype=dtype, device="cpu")
+    reads = ReadRate()
+    reads.sample()
     targets = {"eyas": eager}
     if not args.no_compile:
         targets["eyas compiled"] = Target(eager.model, eager.tokenizer, eager.name_or_path, compile=True)
@@ -111,23 +112,24 @@ def measure(args, dtype: str, bandwidth: float) -> None:
             if name == "eyas compiled":
                 print(f"{dtype} k={k}: compiled warm-up {time.perf_counter() - t0:.1f} s", flush=True)
         took = {name: [] for name in variants}
-        for _ in range(args.repeats):
+        for i in range(args.repeats):
             for name, fn in variants.items():
                 t0 = time.perf_counter()
                 fn()
                 took[name].append(time.perf_counter() - t0)
+            if i % 10 == 9:  # the machine's rate drifts (other guests on the host): read it among the timings
+                reads.sample()
         rows.append((k, {n: sorted(v)[len(v) // 2] for n, v in took.items()}))
         if args.pieces and "eyas compiled" in targets:
             split.append((k, pieces(targets["eyas compiled"], variants["eyas compiled"], args.repeats)))
 
-    # the machine's rate drifts (other guests on the host): read again after the timings, and keep the higher rate,
-    # the stricter limit
-    again, kernel = read_bandwidth()
-    print(f"{dtype}: read bandwidth after the timings {again / 1e9:.1f} GB/s ({kernel})", flush=True)
-    limit = step_bytes(eager, caches["eyas"]) / max(bandwidth, again)
+    memory = reads.limit(step_bytes(eager, caches["eyas"]))
+    limit = 1 / memory.tokens_per_s
     names = list(rows[0][1])
     print(f"\n{dtype}: {args.target}, context {args.context}, {torch.get_num_threads()} threads, median of "
-          f"{args.repeats}; memory limit {1e3 * limit:.1f} ms per forward ({1 / limit:.1f} tok/s at one token)")
+          f"{args.repeats}; memory limit {1e3 * limit:.1f} ms per forward ({1 / limit:.1f} tok/s at one token): "
+          f"{memory.bytes / 1e6:.0f} MB at {memory.bandwidth / 1e9:.1f} GB/s, the upper median of {memory.samples} "
+          f"reads ({memory.low / 1e9:.1f}-{memory.high / 1e9:.1f}, {memory.kernel})")
     print(f"{'k':>3}  " + "  ".join(f"{n + ' ms':>17}" for n in names) + "  " +
           "  ".join(f"{n + ' % limit':>22}" for n in names[1:]))
     for k, m in rows:

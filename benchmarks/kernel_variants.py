@@ -6,8 +6,8 @@ Each variant is models/row_gemv.cpp with `constexpr` constants replaced (`NAME=V
 own kernel under another op namespace, so every variant runs in one process on the same weights. A round runs each
 kernel over a decoding step's products in the graph's order and grouping (q/k/v and gate/up one call each, then the
 lm_head), one row each; rounds alternate the kernels, so the machine's drift hits all alike. Printed: the median
-time of a round, the weights' bytes over it and their share of the machine's read bandwidth (`read_bandwidth`, the
-higher of its measurements before and after the rounds), and the median per-round speed against the source's
+time of a round, the weights' bytes over it and their share of the machine's read bandwidth (`ReadRate`: read
+before the rounds and after every 10, the upper median), and the median per-round speed against the source's
 kernel. Every variant's outputs are checked equal to the source's first.
 """
 from __future__ import annotations
@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from eyas.inference.memory_limit import read_bandwidth
+from eyas.inference.memory_limit import ReadRate
 from eyas.models import Target, row_gemv
 
 
@@ -75,15 +75,18 @@ def main(argv: list[str] | None = None) -> None:
         for name, kernel in kernels.items():
             if not all(torch.equal(kernel(x, g), r) for x, g, r in zip(rows, groups, reference)):
                 raise SystemExit(f"variant {name!r} computes other products than the kernel as it is")
-        bandwidth = read_bandwidth()[0]
+        reads = ReadRate()
+        reads.sample()
         took: dict[str, list[float]] = {name: [] for name in kernels}
-        for _ in range(args.rounds):
+        for i in range(args.rounds):
             for name, kernel in kernels.items():
                 t0 = time.perf_counter()
                 for x, g in zip(rows, groups):
                     kernel(x, g)
                 took[name].append(time.perf_counter() - t0)
-        bandwidth = max(bandwidth, read_bandwidth()[0])
+            if i % 10 == 9:
+                reads.sample()
+        bandwidth = reads.limit(nbytes).bandwidth
     base = took["as is"]
     print(f"{args.target} {args.dtype}: {len(groups)} calls, {nbytes / 1e6:.0f} MB a round, "
           f"{torch.get_num_threads()} threads, medians of {args.rounds} rounds; read bandwidth "

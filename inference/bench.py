@@ -32,7 +32,7 @@ from eyas.models.sampling import Sampling, choose
 from eyas.models.signals import GracefulStop
 
 from .bench_report import format_table, summarize, write_plot
-from .memory_limit import measure
+from .memory_limit import ReadRate, weight_bytes
 from .runtimes_vllm import EngineOptions, EngineRow
 from .timing import synchronize
 
@@ -278,9 +278,11 @@ def _run(target, head, questions: list[Question], max_new_tokens: int, temperatu
             runtimes.update(started)
             drafts.update({name: engines.draft_tokens for name in started if not name.endswith("_plain")})
 
-        # plain decoding's bound, measured in this run (a shared host's rate drifts): before and after the questions,
-        # the higher rate (the stricter limit) counts
-        memory = measure(target.model) if eyas_plain else None
+        # plain decoding's bound, measured in this run (a shared host's rate drifts): read before, between and after
+        # the questions (memory_limit.ReadRate)
+        reads = ReadRate(target.device) if eyas_plain else None
+        if reads is not None:
+            reads.sample()
 
         # One warm-up each: first-call costs (allocations, kernel selection) stay out of the numbers; a compiled
         # target warms up over a whole answer, so the graphs of every kind of step and size are built before.
@@ -306,9 +308,10 @@ def _run(target, head, questions: list[Question], max_new_tokens: int, temperatu
                         times[name].append(seconds)
                 rows.append(_row(q, ids, results, times, sampling, gen.head, drafts))
                 bar.set_postfix_str(_running(rows))
+                if reads is not None:
+                    reads.sample()
         bar.close()
-    if memory is not None:
-        memory = memory.faster(measure(target.model))
+    memory = reads.limit(weight_bytes(target.model)) if reads is not None else None
     stopped = {"signal": stop.signum, "questions_done": len(rows), "questions_left": len(questions) - len(rows)}
 
     tree = asdict(gen.options)

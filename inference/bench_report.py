@@ -41,8 +41,9 @@ merged later. Conventions:
   forward = (steps + accepted) / steps, and acceptance per position by the definition above, from the counters
   (eyas's planned trees: from its cycles and their depths, as accept_rate_per_position).
 - memory_limit (with --eyas-plain): plain decoding's bound, `bytes` of weights a one-token step reads over the
-  `bandwidth` of this machine's fastest 1 GiB read (`kernel`), measured before and after the questions (the higher
-  rate counts), as `tokens_per_s`; the table says what share of it each plain runtime reached.
+  `bandwidth` this machine reads memory at (`kernel`: the fastest of a few streaming reads of 1 GiB), read before,
+  between and after the questions: the upper median of those `samples`, their range `low` to `high`
+  (memory_limit.ReadRate), as `tokens_per_s`; the table says what share of it each plain runtime reached.
 - chain_vs_engine: where eyas-chain-k and an engine that recorded its proposals (vLLM) first gain a different
   number of tokens on the same step of the same question (the last step of each question, which the token cap
   may cut, is not compared); None where they agree on every step compared.
@@ -366,8 +367,9 @@ def memory_line(memory: dict[str, Any], runtimes: dict[str, dict[str, Any]]) -> 
     """Plain decoding's memory limit and how close each plain runtime (generate, eyas plain, an engine plain) came."""
     plain = [s for name, s in runtimes.items() if name == "baseline" or name.endswith("_plain")]
     return (f"memory limit of plain decoding: {memory['tokens_per_s']:.1f} tok/s ({memory['bytes'] / 1e6:.0f} MB of "
-            f"weights a step at {memory['bandwidth'] / 1e9:.1f} GB/s, this run's fastest 1 GiB read, "
-            f"{memory['kernel']}; the cache's reads not counted): "
+            f"weights a step at {memory['bandwidth'] / 1e9:.1f} GB/s, the upper median of {memory['samples']} reads "
+            f"of 1 GiB through this run ({memory['low'] / 1e9:.1f}-{memory['high'] / 1e9:.1f}), {memory['kernel']}; "
+            "the cache's reads not counted): "
             + ", ".join(f"{s['label']} {100 * s['tokens_per_s'] / memory['tokens_per_s']:.0f} %" for s in plain))
 
 

@@ -1,6 +1,7 @@
 """The memory limit of plain decoding: a one-token step reads every weight once, so it cannot take less than the
 weights' bytes over the rate this machine reads memory at. `eyas bench` measures it in the same run as the runtimes
-it judges (the machine's rate drifts on a shared host), and benchmarks/bench_forward.py per forward."""
+it judges, sampled between its questions (the machine's rate drifts on a shared host: `ReadRate`), and
+benchmarks/bench_forward.py per forward."""
 
 from __future__ import annotations
 
@@ -51,26 +52,48 @@ def weight_bytes(model: nn.Module) -> int:
 @dataclass(frozen=True)
 class MemoryLimit:
     """What bounds plain decoding: `bytes` read a step (the weights) at `bandwidth` bytes per second (measured with
-    `kernel`). The cache's keys and values, read too, are left out: the limit is an upper bound on tokens/s."""
+    `kernel`). The cache's keys and values, read too, are left out: the limit is an upper bound on tokens/s.
+    Measured `samples` times through a run, `bandwidth` the upper median of the samples and `low`/`high` their range
+    (`ReadRate`)."""
 
     bandwidth: float
     kernel: str
     bytes: int
+    samples: int
+    low: float
+    high: float
 
     @property
     def tokens_per_s(self) -> float:
         return self.bandwidth / self.bytes
 
-    def faster(self, other: MemoryLimit) -> MemoryLimit:
-        """The stricter of two measurements of the same weights: the higher bandwidth."""
-        return other if other.bandwidth > self.bandwidth else self
-
     def as_dict(self) -> dict[str, float | int | str]:
         return {"bandwidth": self.bandwidth, "kernel": self.kernel, "bytes": self.bytes,
-                "tokens_per_s": self.tokens_per_s}
+                "tokens_per_s": self.tokens_per_s, "samples": self.samples, "low": self.low, "high": self.high}
 
 
-def measure(model: nn.Module) -> MemoryLimit:
-    """The memory limit of `model`'s plain decoding on its device, measured now."""
-    bandwidth, kernel = read_bandwidth(next(model.parameters()).device)
-    return MemoryLimit(bandwidth, kernel, weight_bytes(model))
+class ReadRate:
+    """The machine's read bandwidth through a run, sampled (`read_bandwidth`) between the timings it judges. A shared
+    host's rate drifts both ways: other guests' traffic slows reads, and now and then one read runs far above the
+    rate the machine holds (seen: one 57.8 GB/s read among samples of 31-35 on a 2-core EPYC), which no timing of the
+    same minutes reached. The rate that counts is the upper median of the samples: with two it is the higher, as
+    strict as the fastest; from three on, a lone spike does not set it. The range is kept and reported beside it."""
+
+    def __init__(self, device: torch.device | str = "cpu") -> None:
+        self.device = torch.device(device)
+        self.samples: list[tuple[float, str]] = []
+
+    def sample(self) -> float:
+        """Read now; returns this sample's bytes per second."""
+        rate, kernel = read_bandwidth(self.device)
+        self.samples.append((rate, kernel))
+        return rate
+
+    def limit(self, nbytes: int) -> MemoryLimit:
+        """The memory limit of a step reading `nbytes`, at the upper median of the samples taken so far."""
+        if not self.samples:
+            raise ValueError("no bandwidth sample yet: call sample() first")
+        ordered = sorted(self.samples)
+        rate, kernel = ordered[len(ordered) // 2]
+        return MemoryLimit(rate, kernel, nbytes, len(ordered), ordered[0][0], ordered[-1][0])
+

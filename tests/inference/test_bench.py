@@ -92,6 +92,8 @@ def test_report_has_every_field_per_category_and_overall(tmp_path, pair):
     untied = {n: p for n, p in pair[0].model.named_parameters() if "embed_tokens" not in n}
     assert memory["bytes"] == sum(p.nbytes for p in untied.values())
     assert memory["tokens_per_s"] == pytest.approx(memory["bandwidth"] / memory["bytes"])
+    # read before the questions and after each of the 3
+    assert memory["samples"] == 4 and memory["low"] <= memory["bandwidth"] <= memory["high"]
     assert "memory limit of plain decoding" in format_table(saved)
 
 
