@@ -255,13 +255,15 @@ def attends_in_fp32(dtype: torch.dtype) -> bool:
 
 def attention_kernel_takes(dtype: torch.dtype, rows: int | None, head_dim: int) -> bool:
     """Whether eyas's attention kernel (`row_gemv.attend`, where it is built) is the attention of `rows` query rows of
-    `head_dim` over `dtype` keys on this CPU: up to ATTENTION_ROWS rows (a plain step's one, a small verify's few), past
-    which torch's blocked flash attention wins; fp32, and bf16 where the CPU has no bf16 units (on CPUs with them
-    torch's bf16 attention is not measured against it). An Ice Lake Xeon, 9 query heads over 3 key/value heads of 64,
-    200 cached tokens: one row 23.6 against flash attention's 52.7 us in fp32 and 24.5 against 132.5 in bf16; four rows
-    50.8 against 78.3 (fp32); sixteen rows 159.5 against 130.5."""
+    `head_dim` over `dtype` (fp32 or bf16) keys on this CPU: up to ATTENTION_ROWS rows (a plain step's one, a small
+    verify's few), past which torch's blocked flash attention wins. bf16 on every CPU: the kernel reads bf16 keys and
+    values in place and computes in fp32, where torch's flash attention at a few rows spends more on its per-head
+    blocks than on the reads, bf16 units or not. 9 query heads over 3 key/value heads of 64, 200 cached tokens, cold
+    (benchmarks/attention.py): an Ice Lake Xeon (no bf16 units), one row 23.6 against flash attention's 52.7 us in
+    fp32 and 24.5 against 132.5 in bf16; a Zen 4 EPYC (AVX512-BF16), one row 34.1 against 166.7 us in bf16 and 26.9
+    against 45.1 in fp32, four rows 53.3 against 94.9 in bf16; sixteen rows on the Ice Lake 159.5 against 130.5."""
     return (row_gemv.attend_takes(head_dim) and rows is not None and 1 <= rows <= ATTENTION_ROWS
-            and (dtype == torch.float32 or attends_in_fp32(dtype)))
+            and dtype in (torch.float32, torch.bfloat16))
 
 
 ATTENTION_ROWS = 4

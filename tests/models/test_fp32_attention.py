@@ -41,9 +41,9 @@ def _inputs(dtype: torch.dtype, rows: int = 3) -> list[torch.Tensor]:
 @pytest.mark.parametrize("capabilities", [EMULATED, NATIVE], ids=["emulated-bf16", "native-bf16"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("rows", [1, 3, 8])
-def test_graph_attention_of_few_rows_runs_eyas_kernel_and_bf16_runs_in_fp32_without_bf16_units(
+def test_graph_attention_of_few_rows_runs_eyas_kernel_and_other_bf16_runs_in_fp32_without_bf16_units(
         cpu, capabilities, dtype, rows):
-    """A graph's attention: a few query rows through eyas's kernel (fp32; bf16 without bf16 units), other bf16
+    """A graph's attention: a few query rows through eyas's kernel (fp32 and bf16, bf16 units or not), other bf16
     attention in fp32 without bf16 units, the rest as it was; every result that of an fp64 reference."""
     cpu(capabilities)
     args = _inputs(dtype, rows)
@@ -52,7 +52,7 @@ def test_graph_attention_of_few_rows_runs_eyas_kernel_and_bf16_runs_in_fp32_with
     gm.graph.lint()
     gm.recompile()
     emulated = dtype == torch.bfloat16 and capabilities is EMULATED
-    kernel = rows <= cpu_kernels.ATTENTION_ROWS and (dtype == torch.float32 or emulated) and row_gemv.available()
+    kernel = rows <= cpu_kernels.ATTENTION_ROWS and row_gemv.available()
     assert rewrites == int(kernel or emulated)
     flash = [n for n in gm.graph.nodes if n.target is _FLASH]
     ours = [n for n in gm.graph.nodes if n.target is torch.ops.eyas.attend.default] if kernel else []
