@@ -71,7 +71,6 @@ def measure(args, dtype: str) -> None:
 
     eager = Target.load(args.target, dtype=dtype, device="cpu")
     reads = ReadRate()
-    reads.sample()
     targets = {"eyas": eager}
     if not args.no_compile:
         targets["eyas compiled"] = Target(eager.model, eager.tokenizer, eager.name_or_path, compile=True)
@@ -117,9 +116,10 @@ def measure(args, dtype: str) -> None:
         # Blocks of rounds, the machine's read rate read before and after each: on a shared host it moves between
         # levels within seconds (seen: 33-35 and 47-60 GB/s on a 2-core EPYC), and the steps with it, so a block's
         # share of its limit is taken against the rate read beside it (the higher of the two reads: the stricter).
+        nbytes, shown = step_bytes(eager, caches["eyas"]), list(variants)[-1]
         took = {name: [] for name in variants}
         shares: dict[str, list[float]] = {name: [] for name in variants}
-        rates, last = [], []  # per block: the rate it is judged at, the last variant's median (ms)
+        rates, last = [], []  # per block: the rate it is judged at, the median of the variant shown
         before = reads.sample()
         for start in range(0, args.repeats, BLOCK):
             block = {name: [] for name in variants}
@@ -129,14 +129,13 @@ def measure(args, dtype: str) -> None:
                     fn()
                     block[name].append(time.perf_counter() - t0)
             after = reads.sample()
-            floor = step_bytes(eager, caches["eyas"]) / max(before, after)
             rates.append(max(before, after))
-            last.append(statistics.median(block[list(variants)[-1]]))
+            last.append(statistics.median(block[shown]))
             for name, times in block.items():
                 took[name] += times
-                shares[name].append(floor / statistics.median(times))
+                shares[name].append(nbytes / rates[-1] / statistics.median(times))
             before = after
-        print(f"{dtype} k={k}: per block, read rate GB/s / {list(variants)[-1]} ms: "
+        print(f"{dtype} k={k}: per block, read rate GB/s / {shown} ms: "
               + " ".join(f"{r / 1e9:.0f}/{1e3 * t:.1f}" for r, t in zip(rates, last)), flush=True)
         rows.append((k, {n: statistics.median(v) for n, v in took.items()},
                      {n: statistics.median(v) for n, v in shares.items()}))

@@ -263,7 +263,7 @@ def attention_kernel_takes(dtype: torch.dtype, rows: int | None, head_dim: int) 
     fp32 and 24.5 against 132.5 in bf16; a Zen 4 EPYC (AVX512-BF16), one row 34.1 against 166.7 us in bf16 and 26.9
     against 45.1 in fp32, four rows 53.3 against 94.9 in bf16; sixteen rows on the Ice Lake 159.5 against 130.5."""
     return (row_gemv.attend_takes(head_dim) and rows is not None and 1 <= rows <= ATTENTION_ROWS
-            and dtype in (torch.float32, torch.bfloat16))
+            and dtype in row_gemv.DTYPES)
 
 
 ATTENTION_ROWS = 4
