@@ -14,7 +14,8 @@
    (torch.cuda.max_memory_allocated) against eyas.models.memory's prediction;
 7. one speculative generation of that target: draft / target / overhead time per cycle and host syncs counted
    (torch.cuda.set_sync_debug_mode);
-8. compiled decode steps (`Target(compile=True)`): greedy identity, and plain-step tok/s eager vs compiled.
+8. compiled decode steps of fixed shapes (CUDA graphs on a GPU): greedy identity, no graph recompiled or skipped,
+   and a Llama-3.2-1B-shaped target's plain step and 16- and 64-token verifies, eager vs compiled.
 Every line says PASS or FAIL; the exit status is the number of failures.
 """
 
@@ -317,8 +318,40 @@ def cycle_split(ctx: Context) -> str:
             f"{1e3 * overhead / cycles:.1f} ms; host syncs {syncs}")
 
 
+def _step_ms(target, context: int, sizes: tuple[int, ...], repeats: int) -> dict[int, float]:
+    """ms of one target forward over k new tokens (a chain, every row's logits) after `context` cached tokens, per k:
+    the first calls compile (and capture), the median of `repeats` timed ones counts."""
+    from eyas.models.masks import after_history, causal
+
+    dev = target.device
+    synchronize = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
+    cache = target.new_cache(1, context + max(sizes))
+    target(torch.randint(0, 1000, (1, context), device=dev), cache=cache, logits=False)
+    cache.commit([context])
+    times = {}
+    for k in sizes:
+        ids, pos = torch.randint(0, 1000, (1, k), device=dev), torch.arange(context, context + k, device=dev)[None]
+        allowed = after_history(cache.lengths, causal(k, dev)[None], context + k)
+        runs = []
+        for _ in range(3 + repeats):
+            synchronize()
+            t0 = time.perf_counter()
+            target(ids, pos, cache, allowed)
+            synchronize()
+            runs.append(time.perf_counter() - t0)
+            cache.rollback()
+        times[k] = 1e3 * sorted(runs[3:])[repeats // 2]
+    return times
+
+
 @check
 def compiled_steps(ctx: Context) -> str:
+    """Compiled decode steps (`Target(compile=True)`; fixed shapes by default on a GPU, each captured as a CUDA graph):
+    greedy identity on a tiny target, no graph skipped by CUDA graphs, no new graph at other context lengths; then a
+    Llama-3.2-1B-shaped bf16 target's plain step and 16- and 64-token verifies over 512 cached tokens, eager vs
+    compiled."""
+    from torch._dynamo.utils import counters
+
     from eyas.inference import SpeculativeGenerator, TreeOptions
     from eyas.inference.bench import plain_decode
     from eyas.models import Target
@@ -326,24 +359,37 @@ def compiled_steps(ctx: Context) -> str:
 
     torch.backends.cuda.matmul.allow_tf32 = False
     eager = ctx.tiny_target("llama")
-    compiled = Target(eager.model, eager.tokenizer, eager.name_or_path, compile=True)
+    compiled = Target(eager.model, eager.tokenizer, eager.name_or_path, compile=True, fixed_shapes=True)
     head = ctx.head(eager)
     refs = [own_greedy(eager, p, 24) for p in PROMPTS]
     gen = SpeculativeGenerator(compiled, head, TreeOptions(total_tokens=16, top_k=4, depth=5))
-    got = [gen.generate(p, max_new_tokens=24, eos_token_id=[]).tokens for p in PROMPTS]  # warms the graphs up
-    assert got == refs, "compiled decode steps changed greedy output"
-    rates = {}
-    synchronize = torch.cuda.synchronize if ctx.device.type == "cuda" else (lambda: None)
-    for name, target in (("eager", eager), ("compiled", compiled)):
-        plain_decode(target, PROMPTS[0], 16, [], Sampling(0.0), 0)
-        synchronize()
-        t0 = time.perf_counter()
-        plain_decode(target, PROMPTS[0], 128, [], Sampling(0.0), 0)
-        synchronize()
-        rates[name] = 128 / (time.perf_counter() - t0)
+    def both(prompt: list[int]) -> list[list[int]]:  # speculative and plain greedy tokens
+        return [gen.generate(prompt, max_new_tokens=24, eos_token_id=[]).tokens,
+                plain_decode(compiled, prompt, 24, [], Sampling(0.0), 0)]
+
+    got = both(PROMPTS[0])  # warms the graphs up
+    graphs = counters["stats"]["unique_graphs"]
+    got += [tokens for p in PROMPTS[1:] for tokens in both(p)]
+    assert got == [r for r in refs for _ in range(2)], "compiled decode steps changed greedy output"
+    new = counters["stats"]["unique_graphs"] - graphs
+    assert new == 0, f"{new} new graphs at other context lengths: the steps' shapes follow the context"
+    skips = counters["inductor"]["cudagraph_skips"]
+    assert not skips, f"CUDA graphs skipped {skips} graphs (see the log's 'skipping cudagraphs' lines)"
     torch.backends.cuda.matmul.allow_tf32 = True
-    return (f"greedy identical; plain steps of a tiny llama: eager {rates['eager']:.0f} tok/s, compiled "
-            f"{rates['compiled']:.0f} tok/s ({rates['compiled'] / rates['eager']:.2f}x)")
+
+    config = bench_memory.llama(256, 688, 4, 4, 2, 4096, False, name="tiny-llama-shaped") if ctx.dry \
+        else bench_memory.LLAMA_3_2_1B
+    dtype = torch.bfloat16 if ctx.device.type == "cuda" else torch.float32
+    big = bench_memory.zero_target(config, ctx.device, dtype)
+    weights = sum(p.numel() * p.element_size() for p in big.model.parameters())
+    sizes, lines = (1, 16, 64), {}
+    for name, target in (("eager", big), ("compiled", Target(big.model, None, big.name_or_path, cpu_kernels=False,
+                                                             compile=True, fixed_shapes=True))):
+        lines[name] = _step_ms(target, 512, sizes, repeats=5 if ctx.dry else 50)
+    speed = " ".join(f"k={k} {lines['eager'][k]:.2f} -> {lines['compiled'][k]:.2f} ms" for k in sizes)
+    return (f"greedy identical, nothing recompiled or skipped; {config.name_or_path} {dtype} eager -> compiled: "
+            f"{speed}; the step reads its {weights / 1e9:.2f} GB of weights at "
+            f"{weights / lines['compiled'][1] / 1e6:.0f} GB/s")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -143,7 +143,7 @@ class Scheduler:
         self.sampling = cfg.sampling
         self.queue = deque(Job(i, list(m)) for i, m in conversations)
         rows = min(batch_size, len(self.queue))
-        self.cache = KVCache(target.num_layers, rows, cfg.max_length + 1, target.device)
+        self.cache = target.new_cache(rows, cfg.max_length + 1)
         self.slots: list[Job | None] = [None] * rows
         self.feed = [0] * rows
         self.ending = [False] * rows

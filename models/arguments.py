@@ -93,4 +93,5 @@ def add_compile_option(p: argparse.ArgumentParser) -> None:
     p.add_argument("--compile", action="store_true",
                    help="the target's decode steps through torch.compile: faster steps after a warm-up of a few "
                    "minutes (SmolLM2-135M on 2 CPU cores), so worth it for long runs (bench, regeneration); greedy "
-                   "fp32 output stays token-identical to generate (default: eager)")
+                   "fp32 output stays token-identical to generate; on a GPU the steps have fixed shapes and run as "
+                   "CUDA graphs (default: eager)")

@@ -14,6 +14,9 @@ and every column records its token's position (tree nodes at the same depth shar
 Only the accepted tail moves; the context is never copied. keep_rows drops finished rows by moving the
 last rows into their holes. It is a transformers `Cache`, so any model's attention writes through
 `update` as with its own caches, and its fixed capacity makes the buffers' shapes stable across steps.
+A fixed-shape forward (`writing(fixed=True)`: a compiled step replayed as one graph whatever the context, as
+a CUDA graph on a GPU) attends over every column, the unused ones hidden by its mask, and writes through
+column indices held in a tensor.
 """
 
 from __future__ import annotations
@@ -83,6 +86,7 @@ class KVCache(Cache):
         self.host_lengths = [0] * batch  # the same, on the host: decisions about shapes need no device sync
         self.positions = torch.zeros(batch, capacity, dtype=torch.long, device=device)  # [B, capacity]
         self.pending = 0  # entries written since the last commit / rollback, the same number in every row
+        self.fixed = False  # whether the forward in progress is a fixed-shape one (see `writing`)
         self._index: tuple[int, torch.Tensor, torch.Tensor] | None = None  # (n, rows, cols) of the write in progress
         # per layer [B, kv_heads, capacity, D], allocated at the layer's first write (its shape, dtype and device)
         self.key_buffers: list[torch.Tensor | None] = [None] * num_layers
@@ -92,16 +96,17 @@ class KVCache(Cache):
         """Buffers for `layer`, shaped after its first entries key/value_states [_, kv_heads, n, D]."""
         shape = (self.batch, key_states.shape[1], self.capacity, key_states.shape[3])
         # zeros, not empty(): columns no row may see still enter the attention with weight 0, and 0 * NaN is NaN
-        self.key_buffers[layer] = key_states.new_zeros(shape)
-        self.value_buffers[layer] = value_states.new_zeros(*shape[:3], value_states.shape[3])
+        self.key_buffers[layer] = _static(key_states.new_zeros(shape))
+        self.value_buffers[layer] = _static(value_states.new_zeros(*shape[:3], value_states.shape[3]))
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
-        """key/value_states [B, kv_heads, n, D] -> layer `layer_idx`'s keys/values [B, kv_heads, width, D]."""
+        """key/value_states [B, kv_heads, n, D] -> layer `layer_idx`'s keys/values [B, kv_heads, width, D]
+        (a fixed-shape forward: every column, [B, kv_heads, capacity, D])."""
         if self.key_buffers[layer_idx] is None:
             self.allocate(layer_idx, key_states, value_states)
         keys, values = self.key_buffers[layer_idx], self.value_buffers[layer_idx]
         n = key_states.shape[2]
-        if self.uniform is not None:
+        if not self.fixed and self.uniform is not None:  # (fixed: no row length is read, none enters the graph)
             start = self.uniform + self.pending
             keys[:, :, start: start + n] = key_states
             values[:, :, start: start + n] = value_states
@@ -109,6 +114,8 @@ class KVCache(Cache):
             rows, cols = self.write_index(n, keys.device)
             keys[rows, :, cols] = key_states.transpose(1, 2)  # advanced indices first: [B, n, heads, D]
             values[rows, :, cols] = value_states.transpose(1, 2)
+        if self.fixed:
+            return keys, values
         width = self.width + n
         return keys[:, :, :width], values[:, :, :width]
 
@@ -116,7 +123,7 @@ class KVCache(Cache):
         return self.width
 
     def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
-        return self.width + query_length, 0
+        return (self.capacity if self.fixed else self.width + query_length), 0
 
     # every layer is full attention to transformers' masks (windows come from eyas's masks, by position)
     @property
@@ -159,25 +166,35 @@ class KVCache(Cache):
 
     # ---- writing ------------------------------------------------------------------------------
     @contextlib.contextmanager
-    def writing(self, position_ids: torch.Tensor) -> Iterator[None]:
-        """Bracket one forward over position_ids [B, n]: its layers write n entries per row after the pending ones."""
+    def writing(self, position_ids: torch.Tensor, fixed: bool = False, keep: int | None = None) -> Iterator[None]:
+        """Bracket one forward over position_ids [B, n]: its layers write n entries per row after the pending ones.
+
+        fixed: a fixed-shape forward (a compiled graph replayed whatever the context): every layer attends over all
+        `capacity` columns (an explicit mask hides the unused ones) and writes through column indices made here, a
+        tensor, so no length enters the graph as a number. keep: only the first `keep` of the n entries stay
+        pending (the rest padded the forward to its size; they lie beyond the columns in use, never seen)."""
         n = position_ids.shape[1]
         need = self.width + n
         if need > self.capacity:
-            self._reserve(need)
-        if self.uniform is not None:
+            self.reserve(need)
+        if self.uniform is not None and not fixed:
             start = self.uniform + self.pending
             self.positions[:, start: start + n] = position_ids
         else:
             rows, cols = self.write_index(n, self.positions.device)
             self.positions[rows, cols] = position_ids.to(self.positions.device)
+        self.fixed = fixed
         try:
             yield
         finally:
-            self.pending += n
+            self.pending += n if keep is None else keep
             self._index = None
+            self.fixed = False
 
-    def _reserve(self, need: int) -> None:
+    def reserve(self, need: int) -> None:
+        """Room for `need` columns per row: the buffers at least double when they grow (their columns kept)."""
+        if need <= self.capacity:
+            return
         capacity = max(need, 2 * self.capacity)
         grown = self.positions.new_zeros(self.batch, capacity)
         grown[:, : self.capacity] = self.positions
@@ -232,8 +249,7 @@ class KVCache(Cache):
         """Replace row `row` with a sequence computed elsewhere: per layer keys/values [kv_heads, n, D], positions
         [n]."""
         n = positions.shape[0]
-        if n > self.capacity:
-            self._reserve(n)
+        self.reserve(n)
         self.positions[row, :n] = positions
         for i, (k, v) in enumerate(zip(keys, values)):
             if self.key_buffers[i] is None:
@@ -248,4 +264,13 @@ def _widened(x: torch.Tensor, capacity: int) -> torch.Tensor:
     """x [B, kv_heads, C, D] with `capacity` columns, the first C as they were."""
     wide = x.new_zeros(*x.shape[:2], capacity, x.shape[3])
     wide[:, :, : x.shape[2]] = x
-    return wide
+    return _static(wide)
+
+
+def _static(buffer: torch.Tensor) -> torch.Tensor:
+    """A buffer that compiled steps write in place: on CUDA its address is marked as fixed, so a step captured as a
+    CUDA graph writes and reads it where it lies (an input at an address of its own would be copied in each replay,
+    and one written in place would keep the step out of the graph)."""
+    if buffer.is_cuda:
+        torch._dynamo.mark_static_address(buffer)
+    return buffer

@@ -33,7 +33,7 @@ from .config import TargetIdentity
 from .cpu_kernels import CpuLinear, cpu_attention, cpu_linears, whole
 from .errors import InputError, Unsupported
 from .kv_cache import KVCache
-from .masks import Kind, additive, after_history, windowed
+from .masks import Kind, additive, after_history, causal, windowed
 from .step_pass import step_pass
 
 logger = logging.getLogger(__name__)
@@ -120,7 +120,7 @@ class Target(nn.Module):
     """Frozen wrapper; never trained, never holds gradients."""
 
     def __init__(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase | None, name_or_path: str,
-                 cpu_kernels: bool = True, compile: bool = False) -> None:
+                 cpu_kernels: bool = True, compile: bool = False, fixed_shapes: bool | None = None) -> None:
         """cpu_kernels: on CPU, run eyas's kernels for few-row forwards (`models/cpu_kernels.py`: the linear
         layers through copies of their weights in fp32, GQA attention without repeated keys; faster
         multi-token verifies for one extra copy of the weights in memory); False runs the modules as they are.
@@ -133,7 +133,14 @@ class Target(nn.Module):
         length, tree size, rows), about a minute each for SmolLM2-135M on 2 CPU cores. Prefills and the
         verify-mode check stay eager.
         The graphs assume the model's modules stay as loaded (eyas swaps parts only inside its eager calls; the
-        weights are frozen into the graphs): a step checks its inputs and the weights' identity, not the modules."""
+        weights are frozen into the graphs): a step checks its inputs and the weights' identity, not the modules.
+        fixed_shapes (default: compiled on a GPU): decode steps of fixed shapes, compiled as one graph per (rows,
+        size bucket, cache capacity) that never follows the context: a step attends over its cache's whole capacity
+        (a power of two) under an explicit mask, writes the cache through column indices held in a tensor, and pads
+        its tokens to a power of two. On CUDA each graph is captured once as a CUDA graph and replayed: a small
+        batch's step is bound by kernel launches there, not by its weights. Off on CPU, where attending over the
+        unused columns costs more than dynamic shapes do (eager, the same steps check the mechanism on any model);
+        models whose attention takes no explicit mask exactly (verify_mode "chain") keep dynamic shapes."""
         super().__init__()
         model.eval().requires_grad_(False)
         self.model = model
@@ -156,6 +163,7 @@ class Target(nn.Module):
         self._linears = [CpuLinear(m, enabled=cpu_kernels) for m in self._layers.modules() if type(m) is nn.Linear]
         self._linears.append(self.logit_projection)
         self._compiled = None
+        self.fixed_shapes = compile and self.device.type == "cuda" if fixed_shapes is None else fixed_shapes
         self._captured: dict[int, torch.Tensor] = {}  # every layer's input, when compiled (see forward)
         if compile:
             # A compiled graph does not see hooks added after it was traced (dynamo does not guard the modules'
@@ -166,8 +174,9 @@ class Target(nn.Module):
             # process (each kind of step, static then dynamic); past its default of 8 a new kind would silently run
             # eager.
             self._compiled = torch.compile(
-                self.decoder, recompile_limit=RECOMPILE_LIMIT,
-                options={"guard_filter_fn": _frozen_module_guards, **compile_options(self.device)})
+                self.decoder, recompile_limit=RECOMPILE_LIMIT, dynamic=False if self.fixed_shapes else None,
+                options={"guard_filter_fn": _frozen_module_guards,
+                         **compile_options(self.device, cuda_graphs=self.fixed_shapes)})
 
     # ---- identity and borrowed modules ----------------------------------------------------------
     @property
@@ -279,7 +288,10 @@ class Target(nn.Module):
 
     # ---- forward -----------------------------------------------------------------------------
     def new_cache(self, batch: int, capacity: int) -> KVCache:
-        """An empty cache for `batch` rows of up to `capacity` tokens each."""
+        """An empty cache for `batch` rows of up to `capacity` tokens each (with fixed-shape steps, a power of two:
+        caches of one bucket share their steps' graphs)."""
+        if self.fixed_shapes:
+            capacity = _bucket(max(capacity, 64))
         return KVCache(self.num_layers, batch, capacity, self.device)
 
     @torch.no_grad()
@@ -333,17 +345,22 @@ class Target(nn.Module):
                 raise ValueError(f"layer id {i} out of range 0..{self.num_layers}")
             if i < self.num_layers and self._compiled is None:
                 hooks.append(self._layers[i].register_forward_pre_hook(_capture(captured, i), with_kwargs=True))
-        writing = cache.writing(position_ids) if cache is not None else contextlib.nullcontext()
-        # compiled: decode steps only; a prefill's shape is new every time and runs once
-        compiled = (self._compiled is not None and not self._checking and cache is not None
-                    and cache.layers[0].is_initialized)
+        # compiled, fixed shapes: decode steps only (into a cache that holds tokens); a prefill's shape is new every
+        # time and runs once
+        step = not self._checking and cache is not None and cache.layers[0].is_initialized
+        compiled = step and self._compiled is not None
+        fixed = step and self.fixed_shapes and self.verify_mode() == "tree"
+        if fixed:
+            input_ids, position_ids, allowed = self._fixed_inputs(input_ids, position_ids, cache, allowed)
+        writing = (cache.writing(position_ids, fixed=fixed, keep=t) if cache is not None
+                   else contextlib.nullcontext())
         decoder = self._compiled if compiled else self.decoder
         on_cpu = self.cpu_kernels and self.device.type == "cpu" and not compiled
         settings = _freezing() if compiled else contextlib.nullcontext()
         try:
             with writing, settings, cpu_linears([] if compiled else self._linears, b * t), cpu_attention(on_cpu, need):
                 if allowed is not None:
-                    mask = self._layer_masks(allowed, position_ids, cache.key_positions(width))
+                    mask = self._layer_masks(allowed, position_ids, cache.key_positions(allowed.shape[2]))
                 out = decoder(input_ids=input_ids, attention_mask=mask, position_ids=position_ids, cache=cache,
                               use_cache=cache is not None)
         finally:
@@ -351,8 +368,10 @@ class Target(nn.Module):
                 h.remove()
             captured.update({i: self._captured[i] for i in layer_ids if i in self._captured})
             self._captured.clear()
-        hidden = out.last_hidden_state
-        captured[self.num_layers] = hidden
+        captured[self.num_layers] = out.last_hidden_state
+        if fixed:  # the real tokens' states, out of memory the next replay of a CUDA graph overwrites
+            captured = {i: x[:, :t].clone() for i, x in captured.items()}
+        hidden = captured[self.num_layers]
         if any(captured[i].shape != hidden.shape for i in layer_ids):
             shape = next(tuple(captured[i].shape) for i in layer_ids if captured[i].shape != hidden.shape)
             raise Unsupported(f"target {self.name_or_path!r} passes its hidden state between decoder layers as "
@@ -365,6 +384,24 @@ class Target(nn.Module):
         elif logits:
             logit_out = self.logits(hidden)
         return TargetOutput(logits=logit_out, hidden=hidden, features=features)
+
+    def _fixed_inputs(self, input_ids: torch.Tensor, position_ids: torch.Tensor, cache: KVCache,
+                      allowed: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """A fixed-shape step's inputs: the T tokens padded to a power of two T' with copies of the last one (at its
+        position, seeing what the first token sees: finite states, beyond the columns in use, never seen), and the
+        mask over every column of the cache (None: the causal one of a uniform cache).
+        -> input_ids [B, T'], position_ids [B, T'], allowed [B, T', capacity]"""
+        b, t = input_ids.shape
+        size, width, dev = _bucket(t), cache.width + t, input_ids.device
+        cache.reserve(cache.width + size)
+        if allowed is None:
+            allowed = after_history(cache.lengths + cache.pending, causal(t, dev).expand(b, t, t), width)
+        full = torch.zeros(b, size, cache.capacity, dtype=torch.bool, device=dev)
+        full[:, :t, :width] = allowed
+        full[:, t:, :width] = allowed[:, :1]
+        pad = size - t
+        return (torch.cat([input_ids, input_ids[:, -1:].expand(b, pad)], 1),
+                torch.cat([position_ids, position_ids[:, -1:].expand(b, pad)], 1), full)
 
     def _layer_masks(self, allowed: torch.Tensor, query_pos: torch.Tensor, key_pos: torch.Tensor):
         """The additive mask of each of the decoder's layer types (one tensor when all layers are alike)."""
@@ -551,14 +588,20 @@ def _safe_vocab(vocab_size: int) -> int:
 RECOMPILE_LIMIT = 64  # dynamo graphs per decoder code object in a process (see compile_options)
 
 
-def compile_options(device: torch.device) -> dict[str, Any]:
+def _bucket(n: int) -> int:
+    """The power of two at or above n: the sizes fixed-shape steps are compiled for."""
+    return 1 << (n - 1).bit_length()
+
+
+def compile_options(device: torch.device, cuda_graphs: bool = False) -> dict[str, Any]:
     """Inductor's settings for a Target's compiled steps, given to `torch.compile(options=...)`, which applies them
     to every graph it compiles. Freezing turns the frozen target's weights into constants, which lets inductor
     prepack them and fuse the products that share an input (q/k/v, gate/up); max-autotune then times its own
     GEMM templates (on CPU micro-kernels on AMX / AVX-512 / AVX2, which use the bf16 units where aten's one-row bf16
     product does not) against aten's and keeps the faster, per shape; before freezing, eyas's pass gives the one-row
     products to its own kernel on x86 CPUs with AVX2 or better and bf16 attention to fp32 where the CPU has no bf16
-    units (step_pass.py). Freezing is also read by dynamo as it traces (`_freezing`)."""
+    units (step_pass.py). Freezing is also read by dynamo as it traces (`_freezing`). cuda_graphs: on a GPU, each
+    graph (of fixed shapes) is captured as a CUDA graph at its first calls and replayed from then on."""
     settings: dict[str, Any] = {
         "freezing": True, "max_autotune": True, "cpp.enable_concat_linear": True,
         # the timings of every choice, printed to stderr for each product shape otherwise
@@ -570,6 +613,8 @@ def compile_options(device: torch.device) -> dict[str, Any]:
         # one-row products (a plain step's) through eyas's kernel on x86 CPUs with AVX2 or better, bf16 attention in
         # fp32 on CPUs without bf16 units (step_pass.py)
         settings["joint_custom_pre_pass"] = step_pass()
+    elif device.type == "cuda" and cuda_graphs:
+        settings["triton.cudagraphs"] = True
     return settings
 
 

@@ -1,6 +1,7 @@
 """A Target with compiled decode steps (`compile=True`) computes what the eager one does: the same step logits and
 features, greedy output token-identical to the model's own `generate` (fp32), samples from its distribution, and
-no new graph once warm, whatever the context length or the tree size. One compiled target for the module:
+no new graph once warm, whatever the context length or the tree size; with fixed shapes (a GPU's CUDA graphs) the
+same, with one graph per size bucket. One compiled target for the module:
 compiling costs seconds per graph even for a tiny model."""
 
 import pytest
@@ -95,6 +96,53 @@ def test_compiled_greedy_is_token_identical_and_compiles_nothing_once_warm(pair)
                                                                                   PROMPTS)
     assert_drafts_verified(results)
     assert counters["stats"]["unique_graphs"] == graphs, "a warm compiled target compiled a new graph"
+
+
+@pytest.fixture(scope="module")
+def fixed(pair):
+    """A Target over the same model whose compiled steps have fixed shapes (the GPU's default, played on the CPU)."""
+    eager, _, head = pair
+    return Target(eager.model, eager.tokenizer, eager.name_or_path, compile=True, fixed_shapes=True), head
+
+
+def test_fixed_shape_steps_equal_eager_steps(pair, fixed):
+    """A fixed-shape step attends over the whole cache under its mask, writes rows of different lengths through
+    per-row columns and pads a 3-token chain to 4 tokens: the real tokens' logits and features are the eager steps',
+    and the padding never shows (the next step is exact too)."""
+    outs = []
+    for target in (pair[0], fixed[0]):
+        cache = target.new_cache(2, 32)
+        target(torch.tensor([PROMPTS[2], PROMPTS[2][:9] + [0] * 4]), cache=cache, logits=False)
+        cache.commit([13, 9])
+        steps = []
+        for ids, keep in (([[5, 6, 7], [8, 9, 10]], [3, 1]), ([[11], [12]], [1, 1])):
+            k = len(ids[0])
+            allowed = after_history(cache.lengths, torch.ones(2, k, k, dtype=torch.bool).tril(), cache.width + k)
+            steps.append(target(torch.tensor(ids), cache.lengths[:, None] + torch.arange(k), cache, allowed,
+                                layer_ids=(1, 3)))
+            cache.commit(keep)
+        outs.append(steps)
+    for want, got in zip(*outs):
+        torch.testing.assert_close(got.logits, want.logits, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(got.features, want.features, rtol=1e-5, atol=1e-5)
+
+
+def test_fixed_shape_greedy_is_token_identical_and_compiles_nothing_at_other_lengths(pair, fixed):
+    """Fixed shapes: one graph per size bucket, whatever the context length (with dynamic shapes off, a shape that
+    followed the context would compile a graph at every new length)."""
+    eager, (compiled, head) = pair[0], fixed
+    gen = SpeculativeGenerator(compiled, head, TreeOptions(kind="chain", depth=3))
+    before = counters["stats"]["unique_graphs"]
+    warm = [gen.generate(PROMPTS[0], max_new_tokens=12, eos_token_id=[]),
+            plain_decode(compiled, PROMPTS[0], 12, [], Sampling(0.0), 0)]
+    graphs = counters["stats"]["unique_graphs"]
+    assert graphs > before, "the warm-up compiled nothing: the steps ran eager"
+    results = [gen.generate(p, max_new_tokens=12, eos_token_id=[]) for p in PROMPTS[1:]]
+    for prompt, result in zip(PROMPTS, [warm[0], *results]):
+        assert result.tokens == greedy(eager, prompt, 12)
+        assert plain_decode(compiled, prompt, 12, [], Sampling(0.0), 0) == result.tokens
+    assert_drafts_verified(results)
+    assert counters["stats"]["unique_graphs"] == graphs, "a fixed-shape step compiled a graph at a new context length"
 
 
 @pytest.mark.parametrize("verifier", [None, always_accept_first_child], ids=["exact", "biased-control"])

@@ -14,6 +14,7 @@ from eyas.inference import SpeculativeGenerator, TreeOptions
 from eyas.models.drafters import NAMES
 from eyas.models.errors import Unsupported
 from eyas.models.masks import after_history
+from eyas.models.target import Target
 from tests.helpers.families import FAMILIES, WINDOW, family_target
 from tests.helpers.inference import NO_EOS, OracleHead, assert_drafts_verified, make_head
 
@@ -76,6 +77,19 @@ def test_greedy_matches_generate(family, case):
     accepted = [a for r in results for a in r.stats.accepted]
     deep = 5 if len(rows) > 1 else 4  # one row's 20 tokens give the oracle's misses fewer long stretches between them
     assert sum(accepted) / len(accepted) > 2 and max(accepted) >= deep, f"long paths should be accepted: {accepted}"
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_fixed_shape_steps_match_generate(family):
+    """Fixed-shape steps (a GPU's CUDA-graph steps, here eager): every step attends over the cache's whole capacity
+    under eyas's mask and pads its tokens to a power of two, and a ragged batch of trees stays token-identical."""
+    target, refs = setup(family)
+    fixed = Target(target.model, target.tokenizer, target.name_or_path, fixed_shapes=True)
+    options, rows = CASES["dynamic-short-middle"]
+    results = SpeculativeGenerator(fixed, OracleHead(fixed, [refs[i] for i in rows]), options).generate_batch(
+        [PROMPTS[i] for i in rows], max_new_tokens=NEW, **NO_EOS)
+    assert [r.tokens for r in results] == [refs[i][len(PROMPTS[i]):] for i in rows]
+    assert_drafts_verified(results)
 
 
 def refused(family: str, head, target) -> bool:
