@@ -9,7 +9,9 @@ hits every variant alike, over a cache of --context tokens:
 - eyas: eyas's Target as generation runs it (k = 1 a plain step, k > 1 a verify with a tree mask, logits at every
   node), eager, with eyas's CPU kernels (models/cpu_kernels.py);
 - eyas compiled: the same Target with `compile=True` (torch.compile of the model's own decoder with frozen
-  weights: inductor's GEMM templates, fused small ops), after its warm-up, whose seconds are printed.
+  weights: inductor's GEMM templates, fused small ops), after its warm-up, whose seconds are printed;
+- eyas fixed (`--fixed`): compiled with fixed shapes (`fixed_shapes=True`, a GPU's default: attention over the
+  cache's whole capacity, the tokens padded to a power of two), what fixed shapes cost on this CPU.
 The memory limit: the bytes one step reads (every parameter except an untied embedding table, of which a step
 reads one row, plus the cache's keys and values at --context) over the read bandwidth measured here with the
 same threads (`eyas.inference.memory_limit.ReadRate`: the fastest of a few streaming reads of a buffer far larger
@@ -53,6 +55,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--repeats", type=int, default=20, help="timings per (variant, k); the median is kept")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--no-compile", action="store_true", help="leave out the compiled variant")
+    p.add_argument("--fixed", action="store_true", help="add the compiled variant with fixed shapes")
     p.add_argument("--profile", action="store_true", help="print each variant's top ops for a one-token step")
     p.add_argument("--pieces", action="store_true",
                    help="split the compiled variant's forward into decoder call, its graph, logits and the rest")
@@ -74,6 +77,9 @@ def measure(args, dtype: str) -> None:
     targets = {"eyas": eager}
     if not args.no_compile:
         targets["eyas compiled"] = Target(eager.model, eager.tokenizer, eager.name_or_path, compile=True)
+    if args.fixed:
+        targets["eyas fixed"] = Target(eager.model, eager.tokenizer, eager.name_or_path, compile=True,
+                                       fixed_shapes=True)
     gen = torch.Generator().manual_seed(0)
     prefix = torch.randint(100, eager.vocab_size, (1, args.context), generator=gen)
     caches = {}
@@ -111,8 +117,8 @@ def measure(args, dtype: str) -> None:
             t0 = time.perf_counter()
             fn()
             fn()
-            if name == "eyas compiled":
-                print(f"{dtype} k={k}: compiled warm-up {time.perf_counter() - t0:.1f} s", flush=True)
+            if name.startswith("eyas ") and targets[name].compiled:
+                print(f"{dtype} k={k}: {name} warm-up {time.perf_counter() - t0:.1f} s", flush=True)
         # Blocks of rounds, the machine's read rate read before and after each: on a shared host it moves between
         # levels within seconds (seen: 33-35 and 47-60 GB/s on a 2-core EPYC), and the steps with it, so a block's
         # share of its limit is taken against the rate read beside it (the higher of the two reads: the stricter).

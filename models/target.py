@@ -352,6 +352,9 @@ class Target(nn.Module):
         fixed = step and self.fixed_shapes and self.verify_mode() == "tree"
         if fixed:
             input_ids, position_ids, allowed = self._fixed_inputs(input_ids, position_ids, cache, allowed)
+            if compiled and self.device.type == "cuda":
+                # each step is an iteration of its own: no output of the previous replay is read after this one
+                torch.compiler.cudagraph_mark_step_begin()
         writing = (cache.writing(position_ids, fixed=fixed, keep=t) if cache is not None
                    else contextlib.nullcontext())
         decoder = self._compiled if compiled else self.decoder
