@@ -117,7 +117,7 @@ def measure(args, dtype: str) -> None:
             t0 = time.perf_counter()
             fn()
             fn()
-            if name.startswith("eyas ") and targets[name].compiled:
+            if name in targets and targets[name].compiled:
                 print(f"{dtype} k={k}: {name} warm-up {time.perf_counter() - t0:.1f} s", flush=True)
         # Blocks of rounds, the machine's read rate read before and after each: on a shared host it moves between
         # levels within seconds (seen: 33-35 and 47-60 GB/s on a 2-core EPYC), and the steps with it, so a block's

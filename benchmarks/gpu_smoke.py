@@ -43,6 +43,8 @@ import memory as bench_memory  # noqa: E402
 from tests.helpers.tiny import tiny_model, tiny_tokenizer  # noqa: E402
 
 GiB = 2**30
+# the dry run's stand-in for the real-shaped targets
+TINY_SHAPED = bench_memory.llama(256, 688, 4, 4, 2, 4096, False, name="tiny-llama-shaped")
 CHECKS = []
 
 
@@ -218,7 +220,7 @@ def bf16_training_resume(ctx: Context) -> str:
 def _shapes(ctx: Context):
     """(target config, sequence lengths) of the memory checks: 8B-shaped on a GPU, tiny on the CPU."""
     if ctx.dry:
-        return bench_memory.llama(256, 688, 4, 4, 2, 4096, False, name="tiny-llama-shaped"), (256, 512)
+        return TINY_SHAPED, (256, 512)
     return bench_memory.LLAMA_3_1_8B, (2048, 4096)
 
 
@@ -321,10 +323,10 @@ def cycle_split(ctx: Context) -> str:
 def _step_ms(target, context: int, sizes: tuple[int, ...], repeats: int) -> dict[int, float]:
     """ms of one target forward over k new tokens (a chain, every row's logits) after `context` cached tokens, per k:
     the first calls compile (and capture), the median of `repeats` timed ones counts."""
+    from eyas.inference.timing import synchronize
     from eyas.models.masks import after_history, causal
 
     dev = target.device
-    synchronize = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
     cache = target.new_cache(1, context + max(sizes))
     target(torch.randint(0, 1000, (1, context), device=dev), cache=cache, logits=False)
     cache.commit([context])
@@ -334,10 +336,10 @@ def _step_ms(target, context: int, sizes: tuple[int, ...], repeats: int) -> dict
         allowed = after_history(cache.lengths, causal(k, dev)[None], context + k)
         runs = []
         for _ in range(3 + repeats):
-            synchronize()
+            synchronize(dev)
             t0 = time.perf_counter()
             target(ids, pos, cache, allowed)
-            synchronize()
+            synchronize(dev)
             runs.append(time.perf_counter() - t0)
             cache.rollback()
         times[k] = 1e3 * sorted(runs[3:])[repeats // 2]
@@ -377,8 +379,7 @@ def compiled_steps(ctx: Context) -> str:
     assert not skips, f"CUDA graphs skipped {skips} graphs (see the log's 'skipping cudagraphs' lines)"
     torch.backends.cuda.matmul.allow_tf32 = True
 
-    config = bench_memory.llama(256, 688, 4, 4, 2, 4096, False, name="tiny-llama-shaped") if ctx.dry \
-        else bench_memory.LLAMA_3_2_1B
+    config = TINY_SHAPED if ctx.dry else bench_memory.LLAMA_3_2_1B
     dtype = torch.bfloat16 if ctx.device.type == "cuda" else torch.float32
     big = bench_memory.zero_target(config, ctx.device, dtype)
     weights = sum(p.numel() * p.element_size() for p in big.model.parameters())

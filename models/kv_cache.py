@@ -174,10 +174,8 @@ class KVCache(Cache):
         tensor, so no length enters the graph as a number. keep: only the first `keep` of the n entries stay
         pending (the rest padded the forward to its size; they lie beyond the columns in use, never seen)."""
         n = position_ids.shape[1]
-        need = self.width + n
-        if need > self.capacity:
-            self.reserve(need)
-        if self.uniform is not None and not fixed:
+        self.reserve(self.width + n)
+        if not fixed and self.uniform is not None:
             start = self.uniform + self.pending
             self.positions[:, start: start + n] = position_ids
         else:
