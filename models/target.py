@@ -35,6 +35,7 @@ from .errors import InputError, Unsupported
 from .kv_cache import KVCache
 from .masks import Kind, additive, after_history, causal, windowed
 from .step_pass import step_pass
+from .weight_arena import arrange_weights
 
 logger = logging.getLogger(__name__)
 
@@ -123,7 +124,9 @@ class Target(nn.Module):
                  cpu_kernels: bool = True, compile: bool = False, fixed_shapes: bool | None = None) -> None:
         """cpu_kernels: on CPU, run eyas's kernels for few-row forwards (`models/cpu_kernels.py`: the linear
         layers through copies of their weights in fp32, GQA attention without repeated keys; faster
-        multi-token verifies for one extra copy of the weights in memory); False runs the modules as they are.
+        multi-token verifies for one extra copy of the weights in memory) and the weights moved into one buffer of
+        huge pages in the order a step reads them (`models/weight_arena.py`: the same Parameters, values and
+        shapes); False runs the modules as they are, where they are.
         compile: decode steps (forwards into a cache that already holds tokens: plain steps, tree verifies,
         regeneration's steps) run through `torch.compile` of the decoder with frozen weights (`compile_options`):
         the small ops between the weight reads fuse, the products that share an input are fused, and each product
@@ -144,6 +147,8 @@ class Target(nn.Module):
         super().__init__()
         model.eval().requires_grad_(False)
         self.model = model
+        if cpu_kernels and self.device.type == "cpu":  # each step reads them in this order (weight_arena.py)
+            arrange_weights(model, last=getattr(self.lm_head, "weight", None))
         self.tokenizer = tokenizer
         self.name_or_path = name_or_path
         text = model.config.get_text_config()
