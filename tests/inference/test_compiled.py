@@ -11,6 +11,7 @@ from torch._dynamo.utils import counters
 from eyas.inference import SpeculativeGenerator, TreeOptions
 from eyas.inference.bench import plain_decode
 from eyas.models import cpu_kernels, row_gemv
+from eyas.models import target as target_module
 from eyas.models.masks import after_history
 from eyas.models.sampling import Sampling
 from eyas.models.target import Target
@@ -75,6 +76,27 @@ def test_compiled_targets_share_graphs_only_where_they_share_weights(pair):
         for w, g in zip(want, got):
             torch.testing.assert_close(g.logits, w.logits, rtol=1e-5, atol=1e-5)
             torch.testing.assert_close(g.features, w.features, rtol=1e-5, atol=1e-5)
+
+
+def test_compiled_steps_keep_the_interpreter_state_guards_and_drop_the_library_globals(monkeypatch):
+    """The guards a compiled step keeps (`_frozen_module_guards`), read on a real compile: none on library globals,
+    but grad mode, the global state (autocast, ...) and the inputs' tensors stay guarded, so a call in another state
+    or with other tensors compiles anew rather than running a graph traced for something else."""
+    seen = []
+    keeps = target_module._frozen_module_guards
+
+    def recording(entries):
+        keep = keeps(entries)
+        seen.extend(zip(entries, keep))
+        return keep
+
+    monkeypatch.setattr(target_module, "_frozen_module_guards", recording)
+    model = tiny_target("llama", vocab_size=VOCAB, seed=2)
+    _steps(Target(model.model, model.tokenizer, model.name_or_path, compile=True))
+    assert any(e.is_global for e, _ in seen), "the trace went through no global: nothing was tested"
+    kept = {e.guard_type for e, keep in seen if keep}
+    assert {"GRAD_MODE", "GLOBAL_STATE", "TENSOR_MATCH"} <= kept
+    assert not any(keep and e.is_global for e, keep in seen)
 
 
 def test_compiled_greedy_is_token_identical_and_compiles_nothing_once_warm(pair):
