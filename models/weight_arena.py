@@ -5,7 +5,8 @@ first rows miss the TLB and the hardware prefetchers have not found the stream y
 scatters its weights over 4 KiB pages anywhere in memory. One anonymous mapping that the kernel backs with 2 MiB pages
 (`MADV_HUGEPAGE`: a TLB entry covers 512 times the bytes), holding the weights back to back in the order the model
 registers them (a decoder layer's products in the order its forward runs them) with the output embedding last, takes
-~3 % off a bf16 SmolLM2-135M step (docs/design/cpu-kernels.md). The values, shapes, dtypes and Parameter objects stay as
+1-5 % (median ~2 %) off a compiled bf16 SmolLM2-135M step and nothing measurable off an fp32 one
+(`benchmarks/weight_layout_ab.py`, docs/design/cpu-kernels.md). The values, shapes, dtypes and Parameter objects stay as
 they were (tied weights stay one Parameter); only where their bytes live changes, one weight at a time, so the old
 storage is freed as the copy goes and the peak is the model plus one weight.
 """

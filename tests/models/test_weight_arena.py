@@ -13,7 +13,7 @@ def test_weights_move_into_one_buffer_in_step_order_with_the_logits_last():
     before = {name: (p, p.detach().clone()) for name, p in model.named_parameters()}
     x = torch.randint(0, 320, (1, 7))
     want = model(x).logits
-    target = Target(model, tiny_tokenizer(), "tiny-llama")
+    Target(model, tiny_tokenizer(), "tiny-llama")
 
     params = list(dict.fromkeys(model.parameters()))
     head = model.get_output_embeddings().weight
@@ -28,7 +28,6 @@ def test_weights_move_into_one_buffer_in_step_order_with_the_logits_last():
     assert model.get_input_embeddings().weight is head  # still tied
     assert torch.equal(model(x).logits, want)
     assert weight_arena.arrange_weights(model, head) == 0, "a second Target moved the weights again"
-    assert target.model is model
 
 
 def test_weights_that_view_a_larger_buffer_stay_and_cpu_kernels_off_moves_nothing():
