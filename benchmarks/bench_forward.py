@@ -17,7 +17,8 @@ reads one row, plus the cache's keys and values at --context) over the read band
 same threads (`eyas.inference.memory_limit.ReadRate`: the fastest of a few streaming reads of a buffer far larger
 than the caches). The rate moves on a shared host, and the steps with it: it is read before and after every block of
 5 rounds, each block's share of its limit is taken at the higher of the two reads beside it, and the table gives the
-median share over the blocks (the limit line: the upper median of all the reads, and their range). `--profile` adds
+median share over the blocks (the limit line: the upper median of all the reads, and their range); where the reads
+fell at more than one level, the last variant's median share at each level is printed as well. `--profile` adds
 the top ops of each variant's one-token step (torch.profiler, self CPU time). `--pieces` splits the compiled
 variant's forward, per k, into the compiled decoder call, the inductor graph inside it (the rest of the call is
 torch.compile's frame entry, guard check and wrappers), the logits, and the Target's own code around them (wall
@@ -143,6 +144,11 @@ def measure(args, dtype: str) -> None:
             before = after
         print(f"{dtype} k={k}: per block, read rate GB/s / {shown} ms: "
               + " ".join(f"{r / 1e9:.0f}/{1e3 * t:.1f}" for r, t in zip(rates, last)), flush=True)
+        if len(levels := read_levels(rates)) > 1:
+            print(f"{dtype} k={k}: {shown} % limit per read level: " + "; ".join(
+                f"{min(rates[i] for i in level) / 1e9:.0f}-{max(rates[i] for i in level) / 1e9:.0f} GB/s "
+                f"({len(level)} blocks) {100 * statistics.median(shares[shown][i] for i in level):.0f} %"
+                for level in levels), flush=True)
         rows.append((k, {n: statistics.median(v) for n, v in took.items()},
                      {n: statistics.median(v) for n, v in shares.items()}))
         if args.pieces and "eyas compiled" in targets:
@@ -178,6 +184,19 @@ def measure(args, dtype: str) -> None:
                     fn()
             print(f"\n{dtype} {name}: one-token step, 10 steps")
             print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12))
+
+
+def read_levels(rates: list[float], gap: float = 1.2) -> list[list[int]]:
+    """The blocks (indices into rates) at each level of the host's read rate, slowest first: the rates split where
+    one sorted rate exceeds the one below it by more than `gap` (a shared host's rate sits at one of a few levels, so
+    a median over blocks would depend on which level most of them fell at)."""
+    order = sorted(range(len(rates)), key=rates.__getitem__)
+    levels = [[order[0]]]
+    for below, i in zip(order, order[1:]):
+        if rates[i] > gap * rates[below]:
+            levels.append([])
+        levels[-1].append(i)
+    return levels
 
 
 def pieces(target, run: Callable[[], object], repeats: int) -> dict[str, float]:
