@@ -41,7 +41,7 @@ def arrange_weights(model: nn.Module, last: nn.Parameter | None = None) -> int:
     moves). Where huge pages are not available the buffer is ordinary memory, still in order."""
     if model in _ARRANGED:
         return 0
-    params = [p for p in dict.fromkeys(model.parameters()) if p is not last and movable(p)]
+    params = [p for p in model.parameters() if p is not last and movable(p)]  # tied weights once
     if last is not None and movable(last):
         params.append(last)
     offsets, total = [], 0

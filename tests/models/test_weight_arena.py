@@ -15,7 +15,7 @@ def test_weights_move_into_one_buffer_in_step_order_with_the_logits_last():
     want = model(x).logits
     Target(model, tiny_tokenizer(), "tiny-llama")
 
-    params = list(dict.fromkeys(model.parameters()))
+    params = list(model.parameters())  # tied weights once
     head = model.get_output_embeddings().weight
     order = [p for p in params if p is not head] + [head]
     starts = [p.data_ptr() for p in order]
