@@ -16,6 +16,7 @@ once), `available()` is False and every product and attention runs torch's kerne
 
 from __future__ import annotations
 
+import ctypes
 import fcntl
 import functools
 import logging
@@ -66,6 +67,8 @@ def build(name: str, source: Path, directory: Path) -> None:
 
     cpp_extension.load(name, [str(source)], build_directory=str(directory), is_python_module=False,
                        extra_cflags=["-O3", "-fopenmp", *_ISAS[isa()][1]], extra_ldflags=["-fopenmp"])
+    # its C entry points (C_SHIMS) visible to the libraries inductor builds for compiled steps, which call them
+    ctypes.CDLL(str(directory / f"{name}.so"), mode=os.RTLD_GLOBAL)
 
 
 def build_directory() -> Path:
@@ -109,6 +112,21 @@ def available() -> bool:
     torch.library.register_fake("eyas::row_gemv")(_row_gemv_shape)
     torch.library.register_fake("eyas::attend")(_attend_shape)
     return True
+
+
+# The kernels' C entry points (row_gemv.cpp), by op: inductor's C++ wrapper calls an op listed in its
+# aot_inductor.custom_ops_to_c_shims as this C function rather than through the dispatcher's boxed call.
+C_SHIMS = {
+    "row_gemv": "AOTITorchError aoti_torch_cpu_row_gemv(AtenTensorHandle x, const AtenTensorHandle* weights, "
+                "int64_t count, AtenTensorHandle* out)",
+    "attend": "AOTITorchError aoti_torch_cpu_attend(AtenTensorHandle q, AtenTensorHandle k, AtenTensorHandle v, "
+              "AtenTensorHandle* mask, double scale, AtenTensorHandle* out)",
+}
+
+
+def c_shims() -> dict:
+    """inductor's `aot_inductor.custom_ops_to_c_shims` for eyas's ops; empty where the kernel is not `available()`."""
+    return {getattr(torch.ops.eyas, op).default: [shim] for op, shim in C_SHIMS.items()} if available() else {}
 
 
 def _row_gemv_shape(x: torch.Tensor, weights: Sequence[torch.Tensor]) -> torch.Tensor:

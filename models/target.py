@@ -29,6 +29,7 @@ from torch import nn
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from transformers.cache_utils import get_layer_types_and_kwargs
 
+from . import row_gemv
 from .config import TargetIdentity
 from .cpu_kernels import CpuLinear, cpu_attention, cpu_linears, whole
 from .errors import InputError, Unsupported
@@ -622,6 +623,8 @@ def compile_options(device: torch.device, cuda_graphs: bool = False) -> dict[str
         # one-row products (a plain step's) through eyas's kernel on x86 CPUs with AVX2 or better, bf16 attention in
         # fp32 on CPUs without bf16 units (step_pass.py)
         settings["joint_custom_pre_pass"] = step_pass()
+        # eyas's kernels called as C functions, not through the dispatcher (row_gemv.C_SHIMS)
+        settings["aot_inductor.custom_ops_to_c_shims"] = row_gemv.c_shims()
     elif device.type == "cuda" and cuda_graphs:
         settings["triton.cudagraphs"] = True
     return settings

@@ -220,6 +220,22 @@ def test_compiled_step_runs_one_row_products_through_eyas_kernel(dtype):
 
 
 @pytest.mark.skipif(not row_gemv.available(), reason="eyas::row_gemv needs an x86 CPU with AVX2")
+def test_compiled_step_calls_eyas_kernels_as_c_functions():
+    """A compiled step's C++ wrapper calls eyas's kernels as the C functions row_gemv.C_SHIMS declares, not through the
+    dispatcher's boxed calls."""
+    from torch._inductor.utils import run_and_get_cpp_code
+
+    eager = tiny_target("llama", vocab_size=VOCAB, dtype=torch.float32)
+    compiled = Target(eager.model, eager.tokenizer, eager.name_or_path, compile=True)
+    cache = compiled.new_cache(1, 32)
+    compiled(torch.tensor([PROMPT]), cache=cache, logits=False)
+    cache.commit([len(PROMPT)])
+    with torch._inductor.config.patch(fx_graph_cache=False):  # the code of a compile, not of a cached graph
+        _, code = run_and_get_cpp_code(compiled, torch.tensor([[11]]), cache=cache, logits=False)
+    assert "aoti_torch_cpu_row_gemv(" in code and 'findSchemaOrThrow("eyas::row_gemv"' not in code, code[-3000:]
+
+
+@pytest.mark.skipif(not row_gemv.available(), reason="eyas::row_gemv needs an x86 CPU with AVX2")
 def test_compiled_bf16_verifies_run_the_row_kernel_without_bf16_units(monkeypatch):
     """On a CPU without bf16 units (played here) a compiled bf16 verify's products run eyas's row kernel, in the graph
     compiled for the first tree size and in the one that takes any size after it, and compute the eager verify's

@@ -195,3 +195,57 @@ def test_attend_equals_attention_over_cache_slices(dtype, head_dim, rows, mask_k
     want = weights @ v.double().repeat_interleave(group, 1)
     assert got.stride() == got.transpose(1, 2).contiguous().transpose(1, 2).stride()  # laid out [B, T, H, D]
     _assert_close(got, want, dtype)
+
+
+def _shim(op: str, *argtypes):
+    """The C function inductor's C++ wrapper calls for `op` (row_gemv.C_SHIMS), looked up among the process's global
+    symbols, as the libraries inductor builds find it."""
+    import ctypes
+
+    fn = getattr(ctypes.CDLL(None), f"aoti_torch_cpu_{op}")
+    fn.argtypes, fn.restype = argtypes, ctypes.c_int32
+    return fn
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", row_gemv.DTYPES)
+def test_c_entry_points_compute_what_the_ops_compute(dtype):
+    """The C functions a compiled step calls instead of the dispatched ops take their tensors as handles and compute
+    what the ops compute (the same kernels: bit for bit), with and without a mask; a bad input comes back as an error
+    code, not a crash."""
+    import ctypes
+
+    api = ctypes.pythonapi
+    api.PyCapsule_GetPointer.argtypes = (ctypes.py_object, ctypes.c_char_p)
+    api.PyCapsule_GetPointer.restype = ctypes.c_void_p
+    api.PyCapsule_New.argtypes = (ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p)
+    api.PyCapsule_New.restype = ctypes.py_object
+
+    def handles(ts):  # new handles (at::Tensor*) to ts, as inductor passes them
+        return [api.PyCapsule_GetPointer(c, None) for c in torch._C._aoti.unsafe_alloc_void_ptrs_from_tensors(ts)]
+
+    def tensors(hs):  # the tensors of handles a function returned, taking them over
+        return torch._C._aoti.alloc_tensors_by_stealing_from_void_ptrs([api.PyCapsule_New(h, None, None) for h in hs])
+
+    ptr, ptrs = ctypes.c_void_p, ctypes.POINTER(ctypes.c_void_p)
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(1, 576, generator=gen).to(dtype)
+    weights = [torch.randn(n, 576, generator=gen).to(dtype) for n in (192, 64)]
+    gemv = _shim("row_gemv", ptr, ptrs, ctypes.c_int64, ptrs)
+    x_h, *w_h = handles([x, *weights])
+    out = ptr()
+    assert gemv(x_h, (ctypes.c_void_p * 2)(*w_h), 2, ctypes.byref(out)) == 0
+    assert torch.equal(tensors([out.value])[0], row_gemv.row_gemv(x, weights))
+    assert gemv(x_h, (ctypes.c_void_p * 1)(handles([weights[0][:, :100].contiguous()])[0]), 1, ctypes.byref(out)) != 0
+
+    q = torch.randn(1, 6, 1, 64, generator=gen).to(dtype)
+    k, v = (torch.randn(1, 2, 40, 64, generator=gen).to(dtype) for _ in range(2))
+    mask = torch.rand(1, 1, 1, 40, generator=gen) > 0.5
+    attend = _shim("attend", ptr, ptr, ptr, ptrs, ctypes.c_double, ptrs)
+    for m in (None, mask):
+        q_h, k_h, v_h, *m_h = handles([q, k, v, *([] if m is None else [m])])
+        masked = ctypes.byref(ctypes.c_void_p(m_h[0])) if m_h else None
+        assert attend(q_h, k_h, v_h, masked, 0.125, ctypes.byref(out)) == 0
+        assert torch.equal(tensors([out.value])[0], row_gemv.attend(q, k, v, m, 0.125))
+        tensors([q_h, k_h, v_h, *m_h])
+    tensors([x_h, *w_h])
