@@ -60,15 +60,13 @@ def isa() -> str | None:
     return next(iter(runnable()), None)
 
 
-def build(name: str, source: Path, directory: Path) -> None:
+def build(name: str, source: Path, directory: Path) -> str:
     """Build (or load, where built) the kernels of `source` for this CPU's instruction set (`isa()`) as library
-    `name` in `directory`, registering the ops it defines."""
+    `name` in `directory`, registering the ops it defines; returns the library's path."""
     from torch.utils import cpp_extension
 
-    cpp_extension.load(name, [str(source)], build_directory=str(directory), is_python_module=False,
+    return cpp_extension.load(name, [str(source)], build_directory=str(directory), is_python_module=False,
                        extra_cflags=["-O3", "-fopenmp", *_ISAS[isa()][1]], extra_ldflags=["-fopenmp"])
-    # its C entry points (C_SHIMS) visible to the libraries inductor builds for compiled steps, which call them
-    ctypes.CDLL(str(directory / f"{name}.so"), mode=os.RTLD_GLOBAL)
 
 
 def build_directory() -> Path:
@@ -104,7 +102,9 @@ def available() -> bool:
         logger.info("loading eyas's row kernel for %s (built once per machine, instruction set, torch release and "
                     "source, ~10 s)", isa())
         try:
-            build(directory.name, SOURCE, directory)
+            library = build(directory.name, SOURCE, directory)
+            # its C entry points (C_SHIMS) visible to the libraries inductor builds for compiled steps, which call them
+            ctypes.CDLL(library, mode=os.RTLD_GLOBAL)
         except Exception as e:  # no compiler or ninja, a failed build: torch's products stay
             logger.warning("eyas's row kernel is not available (%s); steps use torch's products",
                            str(e).splitlines()[0] if str(e) else type(e).__name__)
