@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 from unittest import mock
 
 import torch
+from step_ab import alternate, plain_steps, ratio  # beside this script
 
 from eyas.models import Target
 from eyas.models import target as target_module
@@ -41,35 +41,11 @@ def main(argv: list[str] | None = None) -> None:
 
     with mock.patch.object(target_module, "compile_options", without):
         less = Target(eager.model, eager.tokenizer, eager.name_or_path, compile=True)
-    gen = torch.Generator().manual_seed(0)
-    prefix = torch.randint(100, eager.vocab_size, (1, args.context), generator=gen)
-    token = torch.randint(100, eager.vocab_size, (1, 1), generator=gen)
-    first = torch.zeros(1, 1, dtype=torch.long)
-    steps = {}
-    for name, target in (("with", full), ("without", less)):
-        cache = target.new_cache(1, args.context + 1)
-        target(prefix, cache=cache, logits=False)
-        cache.commit([args.context])
-
-        def step(target=target, cache=cache) -> None:
-            target(token, cache=cache, logits=first)
-            cache.rollback()
-
-        t0 = time.perf_counter()
-        for _ in range(3):  # compiles at the first
-            step()
-        print(f"{name} {args.without}: warm-up {time.perf_counter() - t0:.1f} s", flush=True)
-        steps[name] = step
-    took: dict[str, list[float]] = {name: [] for name in steps}
-    for r in range(args.rounds):
-        for name in (("with", "without") if r % 2 else ("without", "with")):
-            t0 = time.perf_counter()
-            steps[name]()
-            took[name].append(time.perf_counter() - t0)
+    with_, without_ = f"with {args.without}", f"without {args.without}"
+    took = alternate(plain_steps({with_: full, without_: less}, args.context), args.rounds, switch=True)
     for name, times in took.items():
-        print(f"{args.dtype} {name} {args.without}: median {1e3 * statistics.median(times):.2f} ms a step")
-    ratio = statistics.median(b / a for a, b in zip(took["with"], took["without"]))
-    print(f"{args.dtype} without / with, per round: median {ratio:.3f} ({args.rounds} rounds)")
+        print(f"{args.dtype} {name}: median {1e3 * statistics.median(times):.2f} ms a step")
+    print(f"{args.dtype} without / with, per round: median {ratio(took, without_, with_):.3f} ({args.rounds} rounds)")
 
 
 if __name__ == "__main__":

@@ -13,9 +13,9 @@ from __future__ import annotations
 import argparse
 import copy
 import statistics
-import time
 
 import torch
+from step_ab import alternate, plain_steps, ratio  # beside this script
 
 from eyas.models import Target, weight_arena
 
@@ -34,40 +34,15 @@ def main(argv: list[str] | None = None) -> None:
     weight_arena._ARRANGED.add(loaded.model)  # keeps the first copy where it was loaded
     targets = {"as loaded": Target(loaded.model, loaded.tokenizer, loaded.name_or_path, compile=True),
                "one buffer": Target(moved, loaded.tokenizer, loaded.name_or_path, compile=True)}
-    gen = torch.Generator().manual_seed(0)
-    prefix = torch.randint(100, loaded.vocab_size, (1, args.context), generator=gen)
-    token = torch.randint(100, loaded.vocab_size, (1, 1), generator=gen)
-    first = torch.zeros(1, 1, dtype=torch.long)
-    caches = {}
-    for name, target in targets.items():
-        caches[name] = target.new_cache(1, args.context + 8)
-        target(prefix, cache=caches[name], logits=False)
-        caches[name].commit([args.context])
-
-    def step(name: str) -> torch.Tensor:
-        logits = targets[name](token, cache=caches[name], logits=first).logits
-        caches[name].rollback()
-        return logits
-
-    for name in targets:  # compiles
-        for _ in range(3):
-            step(name)
-    if not torch.equal(step("as loaded"), step("one buffer")):
+    steps = plain_steps(targets, args.context)
+    if not torch.equal(steps["as loaded"](), steps["one buffer"]()):
         raise SystemExit("the two layouts give different logits")
-    took: dict[str, list[float]] = {name: [] for name in targets}
-    for _ in range(args.rounds):
-        for name in targets:
-            t0 = time.perf_counter()
-            for _ in range(args.steps):
-                step(name)
-            took[name].append((time.perf_counter() - t0) / args.steps)
+    took = alternate(steps, args.rounds, per_round=args.steps)
     print(f"{args.target} {args.dtype}: a compiled one-token step over {args.context} cached tokens, "
           f"{torch.get_num_threads()} threads, {args.rounds} alternating rounds of {args.steps} steps")
     for name, times in took.items():
         print(f"  {name:12s} {statistics.median(times) * 1e3:7.2f} ms")
-    speed = statistics.median(a / b for a, b in zip(took["as loaded"], took["one buffer"]))
-    print(f"  one buffer's speed over as loaded, per round (median): {speed:.3f}")
-
+    print(f"  one buffer's speed over as loaded, per round (median): {ratio(took, 'as loaded', 'one buffer'):.3f}")
 
 if __name__ == "__main__":
     main()

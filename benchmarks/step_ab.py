@@ -1,0 +1,57 @@
+"""Plain steps of two compiled Targets, timed alternately in one process (the A/B benchmarks' shared loop:
+weight_layout_ab.py, compile_options_ab.py)."""
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Callable
+
+import torch
+
+from eyas.models import Target
+
+
+def plain_steps(targets: dict[str, Target], context: int) -> dict[str, Callable[[], torch.Tensor]]:
+    """Per Target, a one-token step over a cache of `context` random tokens (the same for each), rolled back after
+    each call so every call is the same step; returns its logits. Each has run three times (the first compiles)."""
+    some = next(iter(targets.values()))
+    gen = torch.Generator().manual_seed(0)
+    prefix = torch.randint(100, some.vocab_size, (1, context), generator=gen)
+    token = torch.randint(100, some.vocab_size, (1, 1), generator=gen)
+    first = torch.zeros(1, 1, dtype=torch.long)
+    steps = {}
+    for name, target in targets.items():
+        cache = target.new_cache(1, context + 8)
+        target(prefix, cache=cache, logits=False)
+        cache.commit([context])
+
+        def step(target=target, cache=cache) -> torch.Tensor:
+            logits = target(token, cache=cache, logits=first).logits
+            cache.rollback()
+            return logits
+
+        t0 = time.perf_counter()
+        for _ in range(3):
+            step()
+        print(f"{name}: warm-up {time.perf_counter() - t0:.1f} s", flush=True)
+        steps[name] = step
+    return steps
+
+
+def alternate(steps: dict[str, Callable], rounds: int, per_round: int = 1, switch: bool = False
+              ) -> dict[str, list[float]]:
+    """Seconds a step, per round and variant: rounds of `per_round` steps of each variant in turn (the order reversed
+    every other round where `switch`), so the machine's drift hits every variant alike."""
+    took: dict[str, list[float]] = {name: [] for name in steps}
+    for r in range(rounds):
+        for name in (list(steps)[::-1] if switch and r % 2 == 0 else steps):
+            t0 = time.perf_counter()
+            for _ in range(per_round):
+                steps[name]()
+            took[name].append((time.perf_counter() - t0) / per_round)
+    return took
+
+
+def ratio(took: dict[str, list[float]], slower: str, faster: str) -> float:
+    """The median per-round ratio of `slower`'s step time to `faster`'s (above 1: `faster` is faster)."""
+    return statistics.median(a / b for a, b in zip(took[slower], took[faster]))
