@@ -8,8 +8,9 @@
 // bf16 product is slower than fp32's although it reads half the bytes). This one reads each thread's share of the
 // rows as several far-apart streams at once, each with prefetches ahead (docs/design/cpu-kernels.md), and takes
 // several weights that share the input in one call (q/k/v, gate/up), so they share one parallel region and no weight
-// is concatenated or copied. A verify's few rows read each weight row from memory once, for the first of them; the
-// others find it in the cache, so a few rows cost the read plus their FMAs.
+// is concatenated or copied. A verify's few rows read each weight row from memory once, for the first block of them
+// (up to four rows, each weight vector loaded once for the block); the next blocks find it in the cache, the second
+// prefetching the rows read next, so a few rows cost the read and their FMAs overlap it.
 //
 // One source, built for the machine's vector instructions (row_gemv.py passes the -m flags and names the library by
 // them): AVX512-BF16 multiplies bf16 pairs directly; AVX-512 and AVX2 widen each bf16 to fp32 (a shift: bf16 is the
@@ -32,6 +33,7 @@
 #include <cstring>
 #include <limits>
 #include <numeric>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -100,43 +102,64 @@ inline __m256 halves(V v) { return v; }
 #error "eyas::row_gemv is built with -mavx512bf16, -mavx512f or -mavx2 -mfma (row_gemv.py picks them)"
 #endif
 
-// How a step of one vector register's width over a weight row of element type T loads x (`load_x`, once per step,
-// shared by the streams) and accumulates a row's part (`fma`); `sum` reduces an accumulator at the end.
+// The sums of four vectors into out[0..3]: one shuffle tree for the four, a quarter of four reductions' work.
+inline void reduce4(V a, V b, V c, V d, float* out) {
+  const __m256 abcd = _mm256_hadd_ps(_mm256_hadd_ps(halves(a), halves(b)), _mm256_hadd_ps(halves(c), halves(d)));
+  _mm_storeu_ps(out, _mm_add_ps(_mm256_castps256_ps128(abcd), _mm256_extractf128_ps(abcd, 1)));
+}
+
+// How a step of one vector register's width over a weight row of element type T loads x (`load_x`) and the weight
+// (`load_w`), once each per step, and accumulates their product (`fma`); `sum4` reduces four accumulators at the
+// end, each by the same tree whatever the others hold.
+// `block`: the input rows one pass over the weight rows takes at once, each weight vector loaded once for all of them:
+// as many as keep kStreams accumulators per row, the weight and the rows' x in the ISA's registers (32 with AVX-512,
+// 16 with AVX2; widened bf16 takes two of each).
 template <typename T>
 struct Dot;
 
 template <>
 struct Dot<float> {
   static constexpr int64_t lanes = kLanes / 2;
+  static constexpr int64_t block = kLanes == 32 ? 4 : 2;
   struct X { V v; };
+  using W = X;
   struct Acc { V v = zero(); };
   static X load_x(const float* x) { return {loadf(x)}; }
-  static void fma(Acc& a, const float* w, const X& x) { a.v = fmadd(loadf(w), x.v, a.v); }
-  static float sum(const Acc& a) { return reduce(a.v); }
+  static W load_w(const float* w) { return {loadf(w)}; }
+  static void fma(Acc& a, const W& w, const X& x) { a.v = fmadd(w.v, x.v, a.v); }
+  static void sum4(const Acc* a, float* out) { reduce4(a[0].v, a[1].v, a[2].v, a[3].v, out); }
 };
 
 template <>
 struct Dot<uint16_t> {  // bf16
   static constexpr int64_t lanes = kLanes;
 #if defined(__AVX512BF16__)
+  static constexpr int64_t block = 4;
   struct X { __m512bh v; };
+  using W = X;
   struct Acc { V v = zero(); };
   static X load_x(const uint16_t* x) { return {(__m512bh)load(x)}; }
-  static void fma(Acc& a, const uint16_t* w, const X& x) { a.v = _mm512_dpbf16_ps(a.v, (__m512bh)load(w), x.v); }
-  static float sum(const Acc& a) { return reduce(a.v); }
+  static W load_w(const uint16_t* w) { return {(__m512bh)load(w)}; }
+  static void fma(Acc& a, const W& w, const X& x) { a.v = _mm512_dpbf16_ps(a.v, w.v, x.v); }
+  static void sum4(const Acc* a, float* out) { reduce4(a[0].v, a[1].v, a[2].v, a[3].v, out); }
 #else
+  static constexpr int64_t block = kLanes == 32 ? 2 : 1;
   struct X { V even, odd; };
+  using W = X;
   struct Acc { V even = zero(), odd = zero(); };
   static X load_x(const uint16_t* x) {
     const VI v = load(x);
     return {even(v), odd(v)};
   }
-  static void fma(Acc& a, const uint16_t* w, const X& x) {
-    const VI v = load(w);
-    a.even = fmadd(even(v), x.even, a.even);
-    a.odd = fmadd(odd(v), x.odd, a.odd);
+  static W load_w(const uint16_t* w) { return load_x(w); }
+  static void fma(Acc& a, const W& w, const X& x) {
+    a.even = fmadd(w.even, x.even, a.even);
+    a.odd = fmadd(w.odd, x.odd, a.odd);
   }
-  static float sum(const Acc& a) { return reduce(a.even) + reduce(a.odd); }
+  static void sum4(const Acc* a, float* out) {
+    reduce4(addf(a[0].even, a[0].odd), addf(a[1].even, a[1].odd), addf(a[2].even, a[2].odd),
+            addf(a[3].even, a[3].odd), out);
+  }
 #endif
 };
 
@@ -153,37 +176,73 @@ constexpr int64_t kChunkBytes = 1 << 16;  // the least weight bytes one thread t
 // blocked GEMMs win; a call with more (a graph whose row count varies) hands them to at::linear.
 constexpr int64_t kMaxRows = 32;
 
-// out[s] = dot(w[s][0:K], x) for s < n (n <= kStreams); the tail of K (under a step) is read from zero-padded
-// copies, so every ISA takes it alike. Prefetch: the rows come from memory (the first input row), not the cache.
-// Full groups (n == kStreams, the common case) pass n as a constant, so the accumulators stay in registers.
-template <typename T, bool Prefetch, int64_t Fixed = 0>
+// out[r * kStreams + s] = dot(w[s][0:K], x[r]) for s < n (n <= kStreams) and each of the R rows of x (K apart); the
+// tail of K (under a step) is read from zero-padded copies, so every ISA takes it alike. Prefetch: the weight rows
+// come from memory (the first rows of x), not the cache. Full groups (n == kStreams, the common case) pass n as a
+// constant, so the accumulators stay in registers. Each output is the same FMAs in the same order whatever R is.
+// What a pass over the weight rows prefetches: nothing (their rows and the next are in the cache already), ahead in
+// the rows it reads (they come from memory: the first pass), or the rows each stream reads next (the second pass, so
+// the memory reads of the next rows overlap the FMAs of the rest of the input rows).
+enum Prefetch { kNone, kThis, kNext };
+
+template <typename T, Prefetch P, int64_t R, int64_t Fixed = 0>
 inline void dots(const T* const* w, const T* x, int64_t K, int64_t n_, float* out) {
   const int64_t n = Fixed ? Fixed : n_;
   using D = Dot<T>;
-  typename D::Acc acc[kStreams];
+  typename D::Acc acc[R][kStreams];
+  typename D::X xv[R];
   int64_t k = 0;
   for (; k + D::lanes <= K; k += D::lanes) {
-    const auto xv = D::load_x(x + k);
+#pragma GCC unroll 8
+    for (int64_t r = 0; r < R; ++r) xv[r] = D::load_x(x + r * K + k);
+#pragma GCC unroll 8
     for (int64_t s = 0; s < n; ++s) {
-      if constexpr (Prefetch) _mm_prefetch(reinterpret_cast<const char*>(w[s] + k) + kAhead, _MM_HINT_T1);
-      D::fma(acc[s], w[s] + k, xv);
+      if constexpr (P == kThis) _mm_prefetch(reinterpret_cast<const char*>(w[s] + k) + kAhead, _MM_HINT_T1);
+      if constexpr (P == kNext) _mm_prefetch(reinterpret_cast<const char*>(w[s] + K + k), _MM_HINT_T1);
+      const auto wv = D::load_w(w[s] + k);
+#pragma GCC unroll 8
+      for (int64_t r = 0; r < R; ++r) D::fma(acc[r][s], wv, xv[r]);
     }
   }
   if (k < K) {
     T xt[D::lanes] = {}, wt[D::lanes] = {};
-    std::memcpy(xt, x + k, sizeof(T) * (K - k));
-    const auto xv = D::load_x(xt);
+    for (int64_t r = 0; r < R; ++r) {
+      std::memcpy(xt, x + r * K + k, sizeof(T) * (K - k));
+      xv[r] = D::load_x(xt);
+    }
     for (int64_t s = 0; s < n; ++s) {
       std::memcpy(wt, w[s] + k, sizeof(T) * (K - k));
-      D::fma(acc[s], wt, xv);
+      const auto wv = D::load_w(wt);
+      for (int64_t r = 0; r < R; ++r) D::fma(acc[r][s], wv, xv[r]);
     }
   }
-  for (int64_t s = 0; s < n; ++s) out[s] = D::sum(acc[s]);
+  static_assert(kStreams == 4, "dots reduces its accumulators four at a time");
+  for (int64_t r = 0; r < R; ++r) D::sum4(acc[r], out + r * kStreams);  // a short group's unused ones hold zeros
+}
+
+// The next rows of x (`left` of them) against the weight rows w: as many as one pass takes (Dot<T>::block, else 2,
+// else 1); returns how many it took.
+template <typename T, Prefetch P>
+inline int64_t dots_block(const T* const* w, const T* x, int64_t K, int64_t n, int64_t left, float* out) {
+  auto take = [&](auto rows) {
+    constexpr int64_t R = decltype(rows)::value;
+    if (n == kStreams)
+      dots<T, P, R, kStreams>(w, x, K, n, out);
+    else
+      dots<T, P, R>(w, x, K, n, out);
+    return R;
+  };
+  constexpr int64_t B = Dot<T>::block;
+  if (left >= B) return take(std::integral_constant<int64_t, B>{});
+  if constexpr (B > 2)
+    if (left >= 2) return take(std::integral_constant<int64_t, 2>{});
+  return take(std::integral_constant<int64_t, 1>{});
 }
 
 // y[m][r] = dot(row r of the weights one after another, x[m]) for every row r of them and each of the M input rows;
-// T the element type, Out y's. Each weight row is read from memory once, for the first input row; the others take it
-// from the cache (kStreams rows of K, a few KB), so a verify of a few tokens reads the weights once as a step does.
+// T the element type, Out y's. Each weight row is read from memory once, for the first block of input rows; the
+// others take it from the cache (kStreams rows of K, a few KB), so a verify of a few tokens reads the weights once as
+// a step does, and its FMAs load each weight vector once per block of rows.
 template <typename T, typename Out>
 void products(const T* x, int64_t M, const std::vector<const T*>& data, const std::vector<int64_t>& first_row,
               int64_t K, Out* y) {
@@ -201,17 +260,15 @@ void products(const T* x, int64_t M, const std::vector<const T*>& data, const st
         while (at[n] >= first_row[weight[n] + 1]) ++weight[n];
         rows[n] = data[weight[n]] + (at[n] - first_row[weight[n]]) * K;
       }
-      float out[kStreams];
-      for (int64_t m = 0; m < M; ++m) {
-        if (m == 0 && n == kStreams)
-          dots<T, true, kStreams>(rows, x, K, n, out);
-        else if (m == 0)
-          dots<T, true>(rows, x, K, n, out);
-        else if (n == kStreams)
-          dots<T, false, kStreams>(rows, x + m * K, K, n, out);
-        else
-          dots<T, false>(rows, x + m * K, K, n, out);
-        for (int64_t s = 0; s < n; ++s) y[m * N + at[s]] = Out(out[s]);
+      constexpr int64_t B = Dot<T>::block;
+      float out[B * kStreams];
+      for (int64_t m = 0; m < M;) {
+        const int64_t r = m == 0   ? dots_block<T, kThis>(rows, x, K, n, M, out)
+                          : m == B ? dots_block<T, kNext>(rows, x + m * K, K, n, M - m, out)
+                                   : dots_block<T, kNone>(rows, x + m * K, K, n, M - m, out);
+        for (int64_t i = 0; i < r; ++i)
+          for (int64_t s = 0; s < n; ++s) y[(m + i) * N + at[s]] = Out(out[i * kStreams + s]);
+        m += r;
       }
     }
   });
@@ -285,12 +342,6 @@ inline V exp_nonpositive(V x) {
 }
 
 constexpr int kMaxVectors = 16;  // the widest head eyas::attend takes: 16 vectors (256 dims on AVX-512, 128 on AVX2)
-
-// The sums of four vectors into out[0..3]: one shuffle tree for the four, a quarter of four reductions' work.
-inline void reduce4(V a, V b, V c, V d, float* out) {
-  const __m256 abcd = _mm256_hadd_ps(_mm256_hadd_ps(halves(a), halves(b)), _mm256_hadd_ps(halves(c), halves(d)));
-  _mm_storeu_ps(out, _mm_add_ps(_mm256_castps256_ps128(abcd), _mm256_extractf128_ps(abcd, 1)));
-}
 
 // Scores p[0:S] plus a mask row -> e^(p - top) in place, top their max; returns their sum, 0 for a row that sees no
 // key (top -inf).

@@ -7,9 +7,9 @@ for many rows: at one row they read the weight well below the memory bandwidth (
 GEMM templates 70-80 % of it; on CPUs without bf16 instructions torch's one-row bf16 product is slower than an fp32 one
 although it reads half the bytes). eyas's kernel reads each thread's share of the rows as several far-apart streams with
 prefetches ahead, and takes the products that share an input (q/k/v, gate/up) in one call; a few rows (a verify's) read
-each weight row once, the rows after the first from the cache. torch's CPU flash attention, built for blocks of many
-query rows, costs several times the work of one row's attention; `attend` computes it in fp32 over the keys and values
-in place. Both are built on first use by torch's C++ extension loader
+each weight row once, in blocks of rows that load each weight vector once for the block. torch's CPU flash attention,
+built for blocks of many query rows, costs several times the work of one row's attention; `attend` computes it in fp32
+over the keys and values in place. Both are built on first use by torch's C++ extension loader
 (the compiler a compiled step needs anyway, and ninja) for the best of the CPU's AVX512-BF16, AVX-512 and AVX2
 (`isa()`), once per machine, instruction set, torch release and source; on other CPUs, or where the build fails (logged
 once), `available()` is False and every product and attention runs torch's kernels as before."""

@@ -31,7 +31,8 @@ def _assert_close(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> 
 @pytest.mark.parametrize("dtype", row_gemv.DTYPES)
 @pytest.mark.parametrize("k", [576, 40, 1000, 31])  # a multiple of every step's width, and tails of each length class
 @pytest.mark.parametrize("rows", [(7, 192, 1, 33), (1500, 3, 700)])  # a few rows a thread; many, over both threads
-@pytest.mark.parametrize("inputs", [1, 3, row_gemv.MAX_ROWS, row_gemv.MAX_ROWS + 1])  # a step's row; a verify's few
+# a step's row; a verify's few, in every mix of the kernel's blocks of rows (4, 2, 1); more than it takes
+@pytest.mark.parametrize("inputs", [1, 3, 7, row_gemv.MAX_ROWS, row_gemv.MAX_ROWS + 1])
 def test_row_gemv_equals_the_products_it_replaces(k, dtype, rows, inputs):
     gen = torch.Generator().manual_seed(k)
     weights = [torch.randn(n, k, generator=gen).to(dtype) for n in rows]
@@ -40,6 +41,20 @@ def test_row_gemv_equals_the_products_it_replaces(k, dtype, rows, inputs):
     _assert_close(y, _reference(x, weights), dtype)
     # a weight's rows land in its own columns, in order, whichever streams read them
     _assert_close(row_gemv.row_gemv(x, weights[1:2]), y[..., rows[0]:rows[0] + rows[1]], dtype)
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", row_gemv.DTYPES)
+def test_a_rows_products_are_the_same_among_any_other_rows(dtype):
+    """The kernel takes a verify's rows in blocks that share each load of a weight vector, and computes each output by
+    the same FMAs in the same order whatever block its row is in: a row's products among any others are the ones it
+    gets alone (a plain step's), bit for bit."""
+    gen = torch.Generator().manual_seed(1)
+    weights = [torch.randn(n, 1000, generator=gen).to(dtype) for n in (7, 1500)]
+    x = torch.randn(row_gemv.MAX_ROWS, 1000, generator=gen).to(dtype)
+    alone = torch.cat([row_gemv.row_gemv(x[i:i + 1], weights) for i in range(len(x))])
+    for n in (2, 3, 5, 6, 8, 13, row_gemv.MAX_ROWS):
+        assert torch.equal(row_gemv.row_gemv(x[:n], weights), alone[:n]), n
 
 
 # each build in its own process: a process loads one build of the kernel's op library
@@ -52,7 +67,7 @@ gen = torch.Generator().manual_seed(0)
 for dtype, eps in ((torch.bfloat16, 2 ** -7), (torch.float32, 1e-5)):
     for k in (576, 31, 1000):
         weights = [torch.randn(n, k, generator=gen).to(dtype) for n in (3, 64, 900)]
-        x = torch.randn(3, k, generator=gen).to(dtype)
+        x = torch.randn(7, k, generator=gen).to(dtype)  # blocks of 4, 2 and 1 rows
         want = torch.cat([x.float() @ w.float().T for w in weights], -1)
         torch.testing.assert_close(row_gemv.row_gemv(x, weights).float(), want, rtol=eps,
                                    atol=eps * float(want.abs().max()))
