@@ -11,8 +11,8 @@ row of it can see (`ragged_spans`, `cpu_attention(need=...)`).
 At one row torch's products read the weight below the memory bandwidth (in bf16 slower than fp32 although they read
 half the bytes: on CPUs with native bf16 instructions, AMX or AVX512-BF16, they do not use them); eyas's row kernel
 (row_gemv.py, any x86 CPU with AVX2) reads it nearer the bandwidth, and takes a verify's few rows where torch's
-products are slower (`row_kernel_takes`); where the CPU has native bf16 a oneDNN-prepacked bf16 copy uses those units
-at several rows.
+products are slower (`row_kernel_takes`, `kernel_rows`); past them a oneDNN-prepacked copy runs, which on a CPU with
+AMX multiplies even a few bf16 rows with its tiles.
 Attention over bf16 runs in fp32 where the CPU has no bf16 units (`attends_in_fp32`): torch's bf16 attention
 emulates bf16 products there, several times slower than fp32. A compiled step's attention of a few query rows runs
 eyas's attention kernel (`attention_kernel_takes`, `rewrite_attention`).
@@ -57,7 +57,7 @@ class CpuLinear:
     over 2..16 tokens costs far more than one token although the weights are read once either way
     (SmolLM2-135M, decoder layers alone: 2 rows 1.35-1.7x one row; its 49152x576 lm_head 2 rows
     76 -> 35 ms). A oneDNN-prepacked copy of the weight keeps a few rows near the cost of one.
-    One row, and the few rows it is faster at (`row_kernel_takes`: bf16 without native bf16 units, a few fp32 rows), run
+    One row, and the few rows it is faster at (`row_kernel_takes`: up to `kernel_rows`; one bf16 row with AMX), run
     eyas's row kernel (row_gemv.py) on the weight itself on any x86 CPU with AVX2; elsewhere one fp32 row stays with
     F.linear (a GEMV) or, with `row_copy`, a contiguous [in, out] copy (~2x faster than F.linear for the lm_head's
     one-row product). Copies are built on first use
@@ -157,23 +157,35 @@ def _packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | N
 
 def row_kernel_takes(dtype: torch.dtype, rows: int | None) -> bool:
     """Whether eyas's row kernel (row_gemv.py, where it is built) is the product of `rows` input rows by `dtype`
-    weights on this CPU: one row always; in fp32 up to FP32_ROWS rows, past which oneDNN's prepacked product wins
-    (SmolLM2-135M's products, Ice Lake Xeon: 2 rows 28.5 against 44.0 ms, 4 rows 34.7 against 40.3, 8 rows 57.2
-    against 48.9); in bf16 up to row_gemv.MAX_ROWS rows where the CPU has no bf16 units (torch emulates bf16
-    products there: 4 rows 23.0 against F.linear's 73.1 ms, 16 rows 54.3 against 128.0). rows None (a compiled graph
-    whose row count varies: a verify's after the first change of tree size): bf16 without bf16 units, where the
-    kernel hands rows past MAX_ROWS to F.linear, emulated either way."""
+    weights on this CPU: up to `kernel_rows(dtype)` rows. rows None (a compiled graph whose row count varies: a
+    verify's after the first change of tree size): where the kernel is the faster product up to at least half of
+    row_gemv.MAX_ROWS rows (it hands rows past MAX_ROWS to F.linear)."""
     if dtype not in row_gemv.DTYPES:
         return False
-    if rows == 1:
-        return True
-    bf16_rows = dtype == torch.bfloat16 and native_bf16() is None
-    if rows is None:
-        return bf16_rows
-    return rows <= FP32_ROWS if dtype == torch.float32 else bf16_rows and rows <= row_gemv.MAX_ROWS
+    most = kernel_rows(dtype)
+    return most >= row_gemv.MAX_ROWS // 2 if rows is None else rows <= most
 
 
-FP32_ROWS = 4
+def kernel_rows(dtype: torch.dtype) -> int:
+    """The most input rows eyas's row kernel is the faster product of on this CPU, against oneDNN's prepacked one. The
+    kernel reads each weight once for all rows and loads each weight vector once per block of rows, so it is a read of
+    the weights up to a few rows and its FMAs past them, where oneDNN's blocked products gain on it by the CPU's
+    vector units: `benchmarks/kernel_variants.py --rows ... --onednn` times both over SmolLM2-135M's products.
+    - bf16 on CPUs with AMX: 1 (its tiles multiply several rows far faster than vector instructions).
+    - bf16 with AVX512-BF16 and no AMX, and fp32 there: 16 (2-core Zen 4 EPYC, bf16: 8 rows 12.7 against 16.5 ms,
+      16 rows 16.3 against 19.8, 32 rows 32.3 against 30.3; fp32: 8 rows 23.5 against 30.4, 16 rows 31.2 against
+      37.4, 32 rows 61.2 against 59.5).
+    - bf16 without bf16 units: row_gemv.MAX_ROWS (torch emulates bf16 products there, several times slower: Ice Lake
+      Xeon, 16 rows 54.3 against F.linear's 128.0 ms).
+    - fp32 on other AVX-512 CPUs (two 512-bit FMA units a core, where Zen 4 has one): 8 (Ice Lake Xeon, before the
+      kernel's blocks of rows: 4 rows 34.7 against 40.3 ms, 8 rows 57.2 against 48.9, which the blocks make 1.36x
+      faster on Zen 4); on AVX2 (blocks of two fp32 rows): 4."""
+    units = native_bf16()
+    if dtype == torch.bfloat16:
+        return 1 if units == "AMX-BF16" else 16 if units else row_gemv.MAX_ROWS
+    if units == "AVX512-BF16":
+        return 16
+    return 8 if row_gemv.isa() in ("avx512", "avx512_bf16") else 4
 
 
 def _through_row_kernel(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

@@ -17,6 +17,7 @@ from eyas.models.masks import after_history
 from eyas.models.target import Target
 from tests.helpers.families import FAMILIES, WINDOW, family_target
 from tests.helpers.inference import NO_EOS, OracleHead, assert_drafts_verified, make_head
+from tests.helpers.stored import FP32_NOISE
 
 NEW = 20  # new tokens per prompt
 # prompt lengths: the first three longer than the windows, rows differ in length; then one token (no context
@@ -163,7 +164,9 @@ def test_target_logits_are_the_models_own(family):
     after a history longer than the windows (tree-verifying targets)."""
     target, _ = setup(family)
     ids = torch.tensor([PROMPTS[0], PROMPTS[1][:len(PROMPTS[0])]])
-    torch.testing.assert_close(target(ids).logits, target.model(ids).logits, rtol=1e-5, atol=1e-5)
+    # eyas's products sum in another order than the model's own, and a logit scale (Granite multiplies by 4) scales
+    # that rounding: FP32_NOISE bounds it, far below what a wrong mask or position changes
+    torch.testing.assert_close(target(ids).logits, target.model(ids).logits, rtol=1e-5, atol=FP32_NOISE)
     assert target.verify_mode() == FAMILIES[family].verify  # eyas's masks hold: no needless fall-back to chains
     if target.verify_mode() != "tree":
         return
@@ -184,4 +187,4 @@ def test_target_logits_are_the_models_own(family):
     for i in range(6):
         path = [j for j in range(6) if block[0, i, j]]
         alone = target.model(torch.cat([history, nodes[:, path]], 1)).logits[0, -1]
-        torch.testing.assert_close(logits[0, i], alone, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(logits[0, i], alone, rtol=1e-5, atol=FP32_NOISE)
