@@ -1,5 +1,5 @@
-"""Plain steps of two compiled Targets, timed alternately in one process (the A/B benchmarks' shared loop:
-weight_layout_ab.py, compile_options_ab.py)."""
+"""Steps of two compiled Targets, timed alternately in one process (the A/B benchmarks' shared loop:
+weight_layout_ab.py, compile_options_ab.py, kernel_rows_ab.py)."""
 from __future__ import annotations
 
 import statistics
@@ -9,24 +9,32 @@ from typing import Callable
 import torch
 
 from eyas.models import Target
+from eyas.models.masks import after_history, causal
 
 
-def plain_steps(targets: dict[str, Target], context: int) -> dict[str, Callable[[], torch.Tensor]]:
-    """Per Target, a one-token step over a cache of `context` random tokens (the same for each), rolled back after
-    each call so every call is the same step; returns its logits. Each has run three times (the first compiles)."""
+def plain_steps(targets: dict[str, Target], context: int, tokens: int = 1) -> dict[str, Callable[[], torch.Tensor]]:
+    """Per Target, a forward of `tokens` new tokens over a cache of `context` random tokens (the same for each),
+    rolled back after each call so every call is the same forward; returns its logits. One token: a plain step (the
+    logits of its token); more: a verify of a chain as generation runs it (a tree mask, the logits of every token).
+    Each has run three times (the first compiles)."""
     some = next(iter(targets.values()))
     gen = torch.Generator().manual_seed(0)
     prefix = torch.randint(100, some.vocab_size, (1, context), generator=gen)
-    token = torch.randint(100, some.vocab_size, (1, 1), generator=gen)
+    ids = torch.randint(100, some.vocab_size, (1, tokens), generator=gen)
+    pos = torch.arange(context, context + tokens)[None]
+    allowed = None if tokens == 1 else after_history(torch.tensor([context]), causal(tokens)[None], context + tokens)
     first = torch.zeros(1, 1, dtype=torch.long)
     steps = {}
     for name, target in targets.items():
-        cache = target.new_cache(1, context + 8)
+        cache = target.new_cache(1, context + tokens + 8)
         target(prefix, cache=cache, logits=False)
         cache.commit([context])
 
         def step(target=target, cache=cache) -> torch.Tensor:
-            logits = target(token, cache=cache, logits=first).logits
+            if allowed is None:
+                logits = target(ids, cache=cache, logits=first).logits
+            else:
+                logits = target(ids, pos, cache, allowed).logits
             cache.rollback()
             return logits
 
