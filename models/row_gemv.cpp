@@ -176,15 +176,15 @@ constexpr int64_t kChunkBytes = 1 << 16;  // the least weight bytes one thread t
 // blocked GEMMs win; a call with more (a graph whose row count varies) hands them to at::linear.
 constexpr int64_t kMaxRows = 32;
 
-// out[r * kStreams + s] = dot(w[s][0:K], x[r]) for s < n (n <= kStreams) and each of the R rows of x (K apart); the
-// tail of K (under a step) is read from zero-padded copies, so every ISA takes it alike. Prefetch: the weight rows
-// come from memory (the first rows of x), not the cache. Full groups (n == kStreams, the common case) pass n as a
-// constant, so the accumulators stay in registers. Each output is the same FMAs in the same order whatever R is.
-// What a pass over the weight rows prefetches: nothing (their rows and the next are in the cache already), ahead in
-// the rows it reads (they come from memory: the first pass), or the rows each stream reads next (the second pass, so
-// the memory reads of the next rows overlap the FMAs of the rest of the input rows).
+// What a pass over the weight rows prefetches: ahead in the rows it reads (they come from memory: the first pass), the
+// rows each stream reads next (the second pass, so their reads overlap the FMAs of the rest of the input rows), or
+// nothing (its rows and the next are in the cache already).
 enum Prefetch { kNone, kThis, kNext };
 
+// out[r * kStreams + s] = dot(w[s][0:K], x[r]) for s < n (n <= kStreams) and each of the R rows of x (K apart); the
+// tail of K (under a step) is read from zero-padded copies, so every ISA takes it alike. Full groups (n == kStreams,
+// the common case) pass n as a constant, so the accumulators stay in registers. Each output is the same FMAs in the
+// same order whatever R is.
 template <typename T, Prefetch P, int64_t R, int64_t Fixed = 0>
 inline void dots(const T* const* w, const T* x, int64_t K, int64_t n_, float* out) {
   const int64_t n = Fixed ? Fixed : n_;
@@ -193,14 +193,11 @@ inline void dots(const T* const* w, const T* x, int64_t K, int64_t n_, float* ou
   typename D::X xv[R];
   int64_t k = 0;
   for (; k + D::lanes <= K; k += D::lanes) {
-#pragma GCC unroll 8
     for (int64_t r = 0; r < R; ++r) xv[r] = D::load_x(x + r * K + k);
-#pragma GCC unroll 8
     for (int64_t s = 0; s < n; ++s) {
       if constexpr (P == kThis) _mm_prefetch(reinterpret_cast<const char*>(w[s] + k) + kAhead, _MM_HINT_T1);
       if constexpr (P == kNext) _mm_prefetch(reinterpret_cast<const char*>(w[s] + K + k), _MM_HINT_T1);
       const auto wv = D::load_w(w[s] + k);
-#pragma GCC unroll 8
       for (int64_t r = 0; r < R; ++r) D::fma(acc[r][s], wv, xv[r]);
     }
   }
@@ -260,12 +257,11 @@ void products(const T* x, int64_t M, const std::vector<const T*>& data, const st
         while (at[n] >= first_row[weight[n] + 1]) ++weight[n];
         rows[n] = data[weight[n]] + (at[n] - first_row[weight[n]]) * K;
       }
-      constexpr int64_t B = Dot<T>::block;
-      float out[B * kStreams];
-      for (int64_t m = 0; m < M;) {
-        const int64_t r = m == 0   ? dots_block<T, kThis>(rows, x, K, n, M, out)
-                          : m == B ? dots_block<T, kNext>(rows, x + m * K, K, n, M - m, out)
-                                   : dots_block<T, kNone>(rows, x + m * K, K, n, M - m, out);
+      float out[Dot<T>::block * kStreams];
+      for (int64_t m = 0, pass = 0; m < M; ++pass) {
+        const int64_t r = pass == 0   ? dots_block<T, kThis>(rows, x, K, n, M, out)
+                          : pass == 1 ? dots_block<T, kNext>(rows, x + m * K, K, n, M - m, out)
+                                      : dots_block<T, kNone>(rows, x + m * K, K, n, M - m, out);
         for (int64_t i = 0; i < r; ++i)
           for (int64_t s = 0; s < n; ++s) y[(m + i) * N + at[s]] = Out(out[i * kStreams + s]);
         m += r;
