@@ -28,6 +28,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -236,24 +237,51 @@ inline int64_t dots_block(const T* const* w, const T* x, int64_t K, int64_t n, i
   return take(std::integral_constant<int64_t, 1>{});
 }
 
+// A thread's share of the rows, [begin, end), read as kStreams runs of `run` consecutive rows; step j reads row j of
+// each run. Its thread takes steps from the front, a few at a time (`next`: steps before it are claimed); a thread done
+// with its own share takes the back half of what is left of another's (lowering `limit`: steps from it on are taken).
+// The two cores of a shared host read at different rates (one ~15 % slower for seconds at a time on a 2-core Zen 4
+// EPYC), so equal shares left the faster waiting at the end of every product; this way they finish together.
+// Claims and cuts see each other through sequentially consistent operations: the owner publishes its claim, then
+// reads the limit; a thief lowers the limit, then reads the claim, and starts after both (see `take_back`).
+struct alignas(64) Share {
+  std::atomic<int64_t> next{0}, limit{0};
+  int64_t begin = 0, end = 0, run = 0;
+};
+
+// Bytes of weight rows a claim of steps covers at least: its two atomic operations cost well under 1 % of reading
+// them, and the threads end at most about one claim apart.
+constexpr int64_t kClaimBytes = 1 << 16;
+
 // y[m][r] = dot(row r of the weights one after another, x[m]) for every row r of them and each of the M input rows;
 // T the element type, Out y's. Each weight row is read from memory once, for the first block of input rows; the
 // others take it from the cache (kStreams rows of K, a few KB), so a verify of a few tokens reads the weights once as
-// a step does, and its FMAs load each weight vector once per block of rows.
+// a step does, and its FMAs load each weight vector once per block of rows. Which thread computes a row does not
+// change its sums.
 template <typename T, typename Out>
 void products(const T* x, int64_t M, const std::vector<const T*>& data, const std::vector<int64_t>& first_row,
               int64_t K, Out* y) {
   const int64_t N = first_row.back();
   const int64_t grain = std::max<int64_t>(1, kChunkBytes / (K * int64_t(sizeof(T))));
-  at::parallel_for(0, N, grain, [&](int64_t begin, int64_t end) {
-    const int64_t run = (end - begin + kStreams - 1) / kStreams;  // rows per stream
-    size_t weight[kStreams] = {};                                  // per stream: the weight its row is in
-    for (int64_t j = 0; j < run; ++j) {
+  const int64_t claim = std::max<int64_t>(1, kClaimBytes / (kStreams * K * int64_t(sizeof(T))));
+  const int64_t count = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), (N + grain - 1) / grain));
+  std::vector<Share> shares(count);
+  for (int64_t i = 0; i < count; ++i) {
+    Share& sh = shares[i];
+    sh.begin = N * i / count;
+    sh.end = N * (i + 1) / count;
+    sh.run = (sh.end - sh.begin + kStreams - 1) / kStreams;
+    sh.limit.store(sh.run, std::memory_order_relaxed);
+  }
+  // steps [j0, j1) of a share
+  auto steps = [&](const Share& sh, int64_t j0, int64_t j1) {
+    size_t weight[kStreams] = {};  // per stream: the weight its row is in
+    for (int64_t j = j0; j < j1; ++j) {
       const T* rows[kStreams];
       int64_t at[kStreams];
       int64_t n = 0;
-      for (; n < kStreams && begin + n * run + j < end; ++n) {
-        at[n] = begin + n * run + j;
+      for (; n < kStreams && sh.begin + n * sh.run + j < sh.end; ++n) {
+        at[n] = sh.begin + n * sh.run + j;
         while (at[n] >= first_row[weight[n] + 1]) ++weight[n];
         rows[n] = data[weight[n]] + (at[n] - first_row[weight[n]]) * K;
       }
@@ -267,6 +295,39 @@ void products(const T* x, int64_t M, const std::vector<const T*>& data, const st
         m += r;
       }
     }
+  };
+  // the owner: claims from the front until it meets the limit
+  auto own = [&](Share& sh) {
+    for (int64_t j = 0;;) {
+      const int64_t want = j + claim;
+      sh.next.store(want);
+      const int64_t stop = std::min(want, sh.limit.load());
+      if (j >= stop) return;
+      steps(sh, j, stop);
+      j = stop;
+    }
+  };
+  // a thief: the back half of what is left of the share with most left, while that is at least two claims
+  auto take_back = [&](int64_t self) {
+    for (;;) {
+      Share* most = nullptr;
+      int64_t left = 2 * claim - 1;
+      for (int64_t i = 0; i < count; ++i) {
+        const int64_t l = shares[i].limit.load(std::memory_order_relaxed) - shares[i].next.load(std::memory_order_relaxed);
+        if (i != self && l > left) most = &shares[i], left = l;
+      }
+      if (!most) return;
+      int64_t limit = most->limit.load();
+      const int64_t cut = limit - (limit - most->next.load()) / 2;
+      if (cut >= limit || !most->limit.compare_exchange_strong(limit, cut)) continue;
+      // the owner stops before `cut` unless it had claimed past it before the cut: then after its claim
+      const int64_t from = std::max(cut, most->next.load());
+      steps(*most, from, std::max(from, limit));
+    }
+  };
+  at::parallel_for(0, count, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) own(shares[i]);
+    take_back(begin);
   });
 }
 

@@ -57,6 +57,27 @@ def test_a_rows_products_are_the_same_among_any_other_rows(dtype):
         assert torch.equal(row_gemv.row_gemv(x[:n], weights), alone[:n]), n
 
 
+@needs_kernel
+@pytest.mark.parametrize("dtype", row_gemv.DTYPES)
+def test_threads_that_take_each_others_rows_compute_every_row_once(dtype):
+    """A thread done with its share of the rows takes the back half of what another has left. More threads than cores
+    are descheduled mid-share, so shares are taken from often; every output must still be computed, once, with the
+    sums one thread gets (each call's input new, so a row left out would hold the last call's output)."""
+    gen = torch.Generator().manual_seed(2)
+    weights = [torch.randn(n, 1000, generator=gen).to(dtype) for n in (5, 2100, 900)]
+    inputs = [torch.randn(rows, 1000, generator=gen).to(dtype) for rows in (1, 3, 1, 4, 1) * 8]
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        want = [row_gemv.row_gemv(x, weights) for x in inputs]
+        for threads in (2, 3, 8):
+            torch.set_num_threads(threads)
+            for x, y in zip(inputs, want):
+                assert torch.equal(row_gemv.row_gemv(x, weights), y), threads
+    finally:
+        torch.set_num_threads(before)
+
+
 # each build in its own process: a process loads one build of the kernel's op library
 _EVERY_BUILD = """
 import sys, torch
