@@ -14,7 +14,7 @@ import statistics
 from unittest import mock
 
 import torch
-from step_ab import alternate, plain_steps, ratio  # beside this script
+from step_ab import alternate, forwards, ratio  # beside this script
 
 from eyas.models import Target
 from eyas.models import target as target_module
@@ -42,7 +42,7 @@ def main(argv: list[str] | None = None) -> None:
     with mock.patch.object(target_module, "compile_options", without):
         less = Target(eager.model, eager.tokenizer, eager.name_or_path, compile=True)
     with_, without_ = f"with {args.without}", f"without {args.without}"
-    took = alternate(plain_steps({with_: full, without_: less}, args.context), args.rounds, switch=True)
+    took = alternate(forwards({with_: full, without_: less}, args.context), args.rounds, switch=True)
     for name, times in took.items():
         print(f"{args.dtype} {name}: median {1e3 * statistics.median(times):.2f} ms a step")
     print(f"{args.dtype} without / with, per round: median {ratio(took, without_, with_):.3f} ({args.rounds} rounds)")

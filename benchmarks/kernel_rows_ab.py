@@ -18,7 +18,7 @@ import statistics
 from unittest import mock
 
 import torch
-from step_ab import alternate, plain_steps, ratio  # beside this script
+from step_ab import alternate, forwards, ratio  # beside this script
 
 from eyas.models import Target, cpu_kernels
 
@@ -38,13 +38,13 @@ def main(argv: list[str] | None = None) -> None:
     dtype = eager.dtype
     rows = cpu_kernels.kernel_rows(dtype)
     eyas = f"kernel up to {rows} rows"
-    steps = plain_steps({eyas: Target(eager.model, eager.tokenizer, eager.name_or_path, compile=True)},
+    steps = forwards({eyas: Target(eager.model, eager.tokenizer, eager.name_or_path, compile=True)},
                         args.context, args.tokens)
     again = Target.load(args.target, dtype=args.dtype, device="cpu")
     one = Target(again.model, again.tokenizer, again.name_or_path, compile=True)
     with mock.patch.object(cpu_kernels, "kernel_rows", lambda dtype: 1), \
             torch._inductor.config.patch(fx_graph_cache=False):
-        steps.update(plain_steps({"kernel at one row": one}, args.context, args.tokens))
+        steps.update(forwards({"kernel at one row": one}, args.context, args.tokens))
     took = alternate(steps, args.rounds, switch=True)
     for name, times in took.items():
         print(f"{args.dtype} {args.tokens} tokens, {name}: median {1e3 * statistics.median(times):.2f} ms a forward")

@@ -23,11 +23,11 @@ import argparse
 import re
 import statistics
 import tempfile
-import time
 from pathlib import Path
 from typing import Callable
 
 import torch
+from step_ab import alternate  # beside this script
 
 from eyas.inference.memory_limit import ReadRate
 from eyas.models import Target, row_gemv
@@ -103,7 +103,7 @@ def main(argv: list[str] | None = None) -> None:
         for n in args.rows:
             rows = [torch.randn(n, g[0].shape[1], dtype=target.dtype) for g in groups]
             check(kernels, rows, groups, variants)
-            took, bandwidth = alternate(kernels, rows, groups, args.rounds, nbytes)
+            took, bandwidth = timed_rounds(kernels, rows, groups, args.rounds, nbytes)
             base = took["as is"]
             print(f"{n} row{'s' * (n > 1)} a call; read bandwidth {bandwidth / 1e9:.1f} GB/s")
             for name, times in took.items():
@@ -124,20 +124,15 @@ def check(kernels: dict[str, Callable], rows: list[torch.Tensor], groups: list[l
             raise SystemExit(f"{name!r} computes other products than the kernel as it is")
 
 
-def alternate(kernels: dict[str, Callable], rows: list[torch.Tensor], groups: list[list[torch.Tensor]], rounds: int,
-              nbytes: int) -> tuple[dict[str, list[float]], float]:
-    """Seconds a round per kernel, the kernels in turn each round; and the read bandwidth sampled beside them."""
+def timed_rounds(kernels: dict[str, Callable], rows: list[torch.Tensor], groups: list[list[torch.Tensor]],
+                 rounds: int, nbytes: int) -> tuple[dict[str, list[float]], float]:
+    """Seconds a round per kernel, the kernels in turn each round (step_ab.alternate); and the read bandwidth sampled
+    before the rounds and after every 10."""
     reads = ReadRate()
     reads.sample()
-    took: dict[str, list[float]] = {name: [] for name in kernels}
-    for i in range(rounds):
-        for name, kernel in kernels.items():
-            t0 = time.perf_counter()
-            for x, g in zip(rows, groups):
-                kernel(x, g)
-            took[name].append(time.perf_counter() - t0)
-        if i % 10 == 9:
-            reads.sample()
+    products = {name: (lambda kernel=kernel: [kernel(x, g) for x, g in zip(rows, groups)])
+                for name, kernel in kernels.items()}
+    took = alternate(products, rounds, after=lambda r: reads.sample() if r % 10 == 9 else None)
     return took, reads.limit(nbytes).bandwidth
 
 

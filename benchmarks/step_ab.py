@@ -12,7 +12,7 @@ from eyas.models import Target
 from eyas.models.masks import after_history, causal
 
 
-def plain_steps(targets: dict[str, Target], context: int, tokens: int = 1) -> dict[str, Callable[[], torch.Tensor]]:
+def forwards(targets: dict[str, Target], context: int, tokens: int = 1) -> dict[str, Callable[[], torch.Tensor]]:
     """Per Target, a forward of `tokens` new tokens over a cache of `context` random tokens (the same for each),
     rolled back after each call so every call is the same forward; returns its logits. One token: a plain step (the
     logits of its token); more: a verify of a chain as generation runs it (a tree mask, the logits of every token).
@@ -46,10 +46,11 @@ def plain_steps(targets: dict[str, Target], context: int, tokens: int = 1) -> di
     return steps
 
 
-def alternate(steps: dict[str, Callable], rounds: int, per_round: int = 1, switch: bool = False
-              ) -> dict[str, list[float]]:
+def alternate(steps: dict[str, Callable], rounds: int, per_round: int = 1, switch: bool = False,
+              after: Callable[[int], object] | None = None) -> dict[str, list[float]]:
     """Seconds a step, per round and variant: rounds of `per_round` steps of each variant in turn (the order reversed
-    every other round where `switch`), so the machine's drift hits every variant alike."""
+    every other round where `switch`), so the machine's drift hits every variant alike; `after(round)` runs untimed
+    after each round (a read of the machine's bandwidth, say)."""
     took: dict[str, list[float]] = {name: [] for name in steps}
     for r in range(rounds):
         for name in (list(steps)[::-1] if switch and r % 2 == 0 else steps):
@@ -57,6 +58,8 @@ def alternate(steps: dict[str, Callable], rounds: int, per_round: int = 1, switc
             for _ in range(per_round):
                 steps[name]()
             took[name].append((time.perf_counter() - t0) / per_round)
+        if after is not None:
+            after(r)
     return took
 
 

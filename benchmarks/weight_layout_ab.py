@@ -15,7 +15,7 @@ import copy
 import statistics
 
 import torch
-from step_ab import alternate, plain_steps, ratio  # beside this script
+from step_ab import alternate, forwards, ratio  # beside this script
 
 from eyas.models import Target, weight_arena
 
@@ -34,7 +34,7 @@ def main(argv: list[str] | None = None) -> None:
     weight_arena._ARRANGED.add(loaded.model)  # keeps the first copy where it was loaded
     targets = {"as loaded": Target(loaded.model, loaded.tokenizer, loaded.name_or_path, compile=True),
                "one buffer": Target(moved, loaded.tokenizer, loaded.name_or_path, compile=True)}
-    steps = plain_steps(targets, args.context)
+    steps = forwards(targets, args.context)
     if not torch.equal(steps["as loaded"](), steps["one buffer"]()):
         raise SystemExit("the two layouts give different logits")
     took = alternate(steps, args.rounds, per_round=args.steps)
