@@ -33,6 +33,7 @@ from typing import Sequence
 import torch
 import torch.nn.functional as F
 from torch import fx, nn
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
@@ -268,14 +269,18 @@ def attends_in_fp32(dtype: torch.dtype) -> bool:
 def attention_kernel_takes(dtype: torch.dtype, rows: int | None, head_dim: int) -> bool:
     """Whether eyas's attention kernel (`row_gemv.attend`, where it is built) is the attention of `rows` query rows of
     `head_dim` over `dtype` (fp32 or bf16) keys on this CPU: up to ATTENTION_ROWS rows (a plain step's one, a small
-    verify's few), past which torch's blocked flash attention wins. bf16 on every CPU: the kernel reads bf16 keys and
-    values in place and computes in fp32, where torch's flash attention at a few rows spends more on its per-head
-    blocks than on the reads, bf16 units or not. 9 query heads over 3 key/value heads of 64, 200 cached tokens, cold
-    (benchmarks/attention.py): an Ice Lake Xeon (no bf16 units), one row 23.6 against flash attention's 52.7 us in
-    fp32 and 24.5 against 132.5 in bf16; a Zen 4 EPYC (AVX512-BF16), one row 34.1 against 166.7 us in bf16 and 26.9
-    against 45.1 in fp32, four rows 53.3 against 94.9 in bf16; sixteen rows on the Ice Lake 159.5 against 130.5."""
-    return (row_gemv.attend_takes(head_dim) and rows is not None and 1 <= rows <= ATTENTION_ROWS
-            and dtype in row_gemv.DTYPES)
+    verify's few), past which torch's blocked flash attention wins; `rows` None (a graph whose row count varies): the
+    kernel, which hands a call of more rows to torch's attention as it comes. bf16 on every CPU: the kernel reads bf16
+    keys and values in place and computes in fp32, where torch's flash attention at a few rows spends more on its
+    per-head blocks than on the reads, bf16 units or not. 9 query heads over 3 key/value heads of 64, 200 cached
+    tokens, cold (benchmarks/attention.py): an Ice Lake Xeon (no bf16 units), one row 23.6 against flash attention's
+    52.7 us in fp32 and 24.5 against 132.5 in bf16; a Zen 4 EPYC (AVX512-BF16), one row 34.1 against 166.7 us in bf16
+    and 26.9 against 45.1 in fp32, four rows 53.3 against 94.9 in bf16; sixteen rows on the Ice Lake 159.5 against
+    130.5. Within a compiled verify of 8 tokens on the Zen 4 EPYC the two are even (`benchmarks/kernel_rows_ab.py
+    --hold attention --tokens 8 --any-size` with the kernel taking 8 rows: 17.68 against 17.68 ms), though alone it
+    is the faster at 8 rows there, so the bound stays 4 on every CPU (docs/design/cpu-kernels.md)."""
+    return (row_gemv.attend_takes(head_dim) and dtype in row_gemv.DTYPES
+            and (rows is None or 1 <= rows <= ATTENTION_ROWS))
 
 
 ATTENTION_ROWS = 4
@@ -319,13 +324,41 @@ def _through_attention_kernel(graph: fx.Graph, node: fx.Node, vals: list[torch.T
     mask = node.kwargs.get("attn_mask")
     scale = node.kwargs.get("scale")
     scale = float(scale) if scale is not None else q.shape[3] ** -0.5
-    out = graph.call_function(torch.ops.eyas.attend.default, (*node.args[:3], mask, scale))
-    out.meta["val"] = row_gemv.attend(*vals, mask.meta["val"] if isinstance(mask, fx.Node) else None, scale)
+    most = ATTENTION_ROWS
+    k, v = node.args[1:3]
+    heads = _unrepeated(k), _unrepeated(v)
+    if all(heads) and statically_known_true(heads[0].meta["val"].shape[1] == heads[1].meta["val"].shape[1]):
+        (k, v), vals = heads, [q, heads[0].meta["val"], heads[1].meta["val"]]
+    out = graph.call_function(torch.ops.eyas.attend.default, (node.args[0], k, v, mask, scale, most))
+    out.meta["val"] = row_gemv.attend(*vals, mask.meta["val"] if isinstance(mask, fx.Node) else None, scale, most)
     for user in list(node.users):  # the output, and the log-sum-exp nothing reads
         if user.args[1] == 0:
             user.replace_all_uses_with(out)
         graph.erase_node(user)
     return True
+
+
+def _unrepeated(node: object) -> fx.Node | None:
+    """The key or value heads [B, G, S, D] that a GQA model repeated once per query head before its attention
+    (transformers' `repeat_kv`: unsqueeze at 2, expand to [B, G, n, S, D], clone, view as [B, G * n, S, D]), or None.
+    eyas's kernel reads each key/value head once for all the query heads that read it, so it takes them unrepeated,
+    and the copy of the cache in every layer goes with the clone nothing reads then."""
+    view = node
+    if not (isinstance(view, fx.Node) and view.target in _VIEWS and len(view.args[1]) == 4):
+        return None
+    clone = view.args[0]
+    if not (isinstance(clone, fx.Node) and clone.target is _CLONE):
+        return None
+    expand = clone.args[0]
+    if not (isinstance(expand, fx.Node) and expand.target is _EXPAND):
+        return None
+    unsqueeze = expand.args[0]
+    if not (isinstance(unsqueeze, fx.Node) and unsqueeze.target is _UNSQUEEZE and unsqueeze.args[1] in (2, -3)):
+        return None
+    heads, repeated, out = (n.meta["val"].shape for n in (unsqueeze.args[0], expand, view))
+    same = [heads[0] == repeated[0], heads[1] == repeated[1], heads[2] == repeated[3], heads[3] == repeated[4],
+            out[0] == heads[0], out[1] == heads[1] * repeated[2], out[2] == heads[2], out[3] == heads[3]]
+    return unsqueeze.args[0] if all(statically_known_true(x) for x in same) else None
 
 
 def _in_fp32(graph: fx.Graph, node: fx.Node, dtype: torch.dtype) -> bool:
@@ -356,6 +389,9 @@ def _in_fp32(graph: fx.Graph, node: fx.Node, dtype: torch.dtype) -> bool:
 
 
 _FLASH_CPU = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
+_VIEWS = (torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default, torch.ops.aten.reshape.default)
+_CLONE, _EXPAND, _UNSQUEEZE = (torch.ops.aten.clone.default, torch.ops.aten.expand.default,
+                               torch.ops.aten.unsqueeze.default)
 _CONVERT = torch.ops.prims.convert_element_type.default
 
 

@@ -565,7 +565,7 @@ void attend_dispatch(int nv, const at::Tensor& q, const at::Tensor& k, const at:
 }
 
 at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const c10::optional<at::Tensor>& mask,
-                  double scale) {
+                  double scale, int64_t most_rows) {
   const auto dtype = q.scalar_type();
   TORCH_CHECK(q.device().is_cpu() && (dtype == at::kBFloat16 || dtype == at::kFloat) && k.scalar_type() == dtype &&
                   v.scalar_type() == dtype && k.device().is_cpu() && v.device().is_cpu(),
@@ -578,6 +578,15 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
               "eyas::attend: head size ", q.size(3), " is not a multiple of ", kLanes / 2, " up to ",
               kMaxVectors * kLanes / 2, " (`attend_takes`)");
   const int64_t B = q.size(0), H = q.size(1), T_ = q.size(2), D = q.size(3), S = k.size(2);
+  at::Tensor out = at::empty_strided({B, H, T_, D}, {T_ * H * D, D, H * D, 1}, q.options());  // [B, T, H, D] laid out
+  if (most_rows >= 0 && T_ > most_rows) {  // more query rows than this kernel is the faster attention of: torch's
+    c10::optional<at::Tensor> additive = mask;  // which takes a mask in q's dtype, as SDPA hands it one
+    if (mask.has_value() && mask->defined() && mask->scalar_type() == at::kBool)
+      additive = at::where(*mask, at::zeros({}, q.options()),
+                           at::full({}, -std::numeric_limits<float>::infinity(), q.options()));
+    const auto flash = at::_scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, false, additive, scale);
+    return out.copy_(std::get<0>(flash));
+  }
   const at::Tensor qc = q.stride(3) == 1 ? q : q.contiguous();
   const at::Tensor kc = k.stride(3) == 1 ? k : k.contiguous();
   const at::Tensor vc = v.stride(3) == 1 ? v : v.contiguous();
@@ -589,7 +598,6 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
             : mask->to(at::kFloat);
     m = m.expand({B, H, T_, S});
   }
-  at::Tensor out = at::empty_strided({B, H, T_, D}, {T_ * H * D, D, H * D, 1}, q.options());  // [B, T, H, D] laid out
   const int nv = int(D / (kLanes / 2));
   if (dtype == at::kFloat)
     attend_dispatch<float, float>(nv, qc, kc, vc, m, scale, out);
@@ -602,7 +610,7 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
 
 TORCH_LIBRARY(eyas, m) {
   m.def("row_gemv(Tensor x, Tensor[] weights) -> Tensor");
-  m.def("attend(Tensor q, Tensor k, Tensor v, Tensor? mask, float scale) -> Tensor");
+  m.def("attend(Tensor q, Tensor k, Tensor v, Tensor? mask, float scale, int most_rows=-1) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(eyas, CPU, m) {
@@ -632,11 +640,11 @@ AOTITorchError aoti_torch_cpu_row_gemv(AtenTensorHandle x, const AtenTensorHandl
 }
 
 AOTITorchError aoti_torch_cpu_attend(AtenTensorHandle q, AtenTensorHandle k, AtenTensorHandle v, AtenTensorHandle* mask,
-                                     double scale, AtenTensorHandle* out) {
+                                     double scale, int64_t most_rows, AtenTensorHandle* out) {
   AOTI_TORCH_CONVERT_EXCEPTION_TO_ERROR_CODE({
     RECORD_FUNCTION("eyas::attend", c10::ArrayRef<const c10::IValue>{});
     const c10::optional<at::Tensor> m = mask ? c10::optional<at::Tensor>(tensor(*mask)) : c10::nullopt;
-    *out = torch::aot_inductor::new_tensor_handle(attend(tensor(q), tensor(k), tensor(v), m, scale));
+    *out = torch::aot_inductor::new_tensor_handle(attend(tensor(q), tensor(k), tensor(v), m, scale, most_rows));
   });
 }
 

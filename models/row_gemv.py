@@ -120,7 +120,7 @@ C_SHIMS = {
     "row_gemv": "AOTITorchError aoti_torch_cpu_row_gemv(AtenTensorHandle x, const AtenTensorHandle* weights, "
                 "int64_t count, AtenTensorHandle* out)",
     "attend": "AOTITorchError aoti_torch_cpu_attend(AtenTensorHandle q, AtenTensorHandle k, AtenTensorHandle v, "
-              "AtenTensorHandle* mask, double scale, AtenTensorHandle* out)",
+              "AtenTensorHandle* mask, double scale, int64_t most_rows, AtenTensorHandle* out)",
 }
 
 
@@ -141,16 +141,19 @@ def row_gemv(x: torch.Tensor, weights: Sequence[torch.Tensor]) -> torch.Tensor:
 
 
 def _attend_shape(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
-                  scale: float) -> torch.Tensor:
+                  scale: float, most_rows: int = -1) -> torch.Tensor:
     b, h, t, d = q.shape
     return q.new_empty((b, t, h, d)).transpose(1, 2)
 
 
-def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float) -> torch.Tensor:
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float,
+           most_rows: int = -1) -> torch.Tensor:
     """The attention of q [B, H, T, D] over k, v [B, G, S, D] (H a multiple of G), an additive or boolean mask None or
     [B|1, H|1, T, S], scores scaled by `scale` -> [B, H, T, D] in q's dtype (laid out [B, T, H, D]), computed in fp32
-    reading the keys and values in place (row_gemv.cpp). Needs `available()`."""
-    return torch.ops.eyas.attend(q, k, v, mask, scale)
+    reading the keys and values in place (row_gemv.cpp). More than `most_rows` query rows (where that is not -1) take
+    torch's CPU flash attention of the same arguments instead (a graph whose row count varies, past the rows the kernel
+    is the faster attention of). Needs `available()`."""
+    return torch.ops.eyas.attend(q, k, v, mask, scale, most_rows)
 
 
 ATTEND_MAX_VECTORS = 16  # the widest head eyas::attend takes, in vector registers (kMaxVectors in row_gemv.cpp)

@@ -263,3 +263,33 @@ def test_compiled_bf16_verifies_run_the_row_kernel_without_bf16_units(monkeypatc
         assert "eyas::row_gemv" in ran and not ran & {"aten::mm", "aten::addmm", "aten::linear"}, (k, sorted(ran))
         want, got = logits
         torch.testing.assert_close(got, want, rtol=2 ** -5, atol=2 ** -5 * float(want.abs().max()))
+
+
+@pytest.mark.skipif(not row_gemv.available(), reason="eyas::attend needs an x86 CPU with AVX2")
+def test_compiled_verifies_of_any_size_attend_through_eyas_kernel_up_to_its_rows():
+    """The graph a verify runs once its tree size has changed takes any size: its attention is eyas's kernel, which
+    hands the calls of more query rows than ATTENTION_ROWS to torch's flash attention as they come; the logits are the
+    eager verify's."""
+    most = cpu_kernels.ATTENTION_ROWS
+    eager = tiny_target("llama", vocab_size=VOCAB, seed=3)  # weights of its own: its own graphs
+    compiled = Target(eager.model, eager.tokenizer, eager.name_or_path, compile=True)
+    caches = {}
+    for target in (eager, compiled):
+        caches[target] = target.new_cache(1, 32)
+        target(torch.tensor([PROMPT]), cache=caches[target], logits=False)
+        caches[target].commit([len(PROMPT)])
+    n = len(PROMPT)
+    flash = "aten::_scaled_dot_product_flash_attention_for_cpu"
+    with torch._inductor.config.patch(fx_graph_cache=False):  # compiled here, not taken from another test's cache
+        for k in (most - 1, most + 1, most, most + 2):  # the second: the size changed, the graph of any size compiles
+            ids, pos = torch.arange(1, k + 1)[None], torch.arange(n, n + k)[None]
+            allowed = after_history(torch.tensor([n]), torch.ones(1, k, k, dtype=torch.bool).tril(), n + k)
+            want, got = (target(ids, pos, caches[target], allowed).logits for target in (eager, compiled))
+            for target in (eager, compiled):
+                caches[target].rollback()
+            with torch.profiler.profile() as prof:
+                compiled(ids, pos, caches[compiled], allowed, logits=False)
+            caches[compiled].rollback()
+            ran = {event.key for event in prof.key_averages()}
+            assert "eyas::attend" in ran and (flash in ran) == (k > most), (k, sorted(ran))
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)

@@ -66,6 +66,35 @@ def test_graph_attention_of_few_rows_runs_eyas_kernel_and_other_bf16_runs_in_fp3
     torch.testing.assert_close(got.double(), want, rtol=eps, atol=eps * float(want.abs().max()))
 
 
+def _repeated_attention(q, k, v, mask):
+    """Attention as transformers' sdpa path runs it with a mask: each key/value head repeated per query head first."""
+    def repeat(x):
+        b, g, s, d = x.shape
+        return x[:, :, None].expand(b, g, q.shape[1] // g, s, d).reshape(b, q.shape[1], s, d)
+
+    return F.scaled_dot_product_attention(q, repeat(k), repeat(v), attn_mask=mask, scale=0.25)
+
+
+@pytest.mark.skipif(not row_gemv.available(), reason="eyas::attend needs an x86 CPU with AVX2")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_graph_attention_reads_repeated_key_value_heads_once(cpu, dtype):
+    """Where the model repeated each key/value head per query head before its attention, eyas's kernel takes the
+    heads unrepeated (it reads each once for its query heads) and the repeated copy is left to nothing; the result is
+    that of an fp64 reference."""
+    cpu(NATIVE)
+    args = _inputs(dtype)
+    gm = make_fx(_repeated_attention, tracing_mode="fake")(*args)
+    assert cpu_kernels.rewrite_attention(gm.graph) == 1
+    gm.graph.eliminate_dead_code()
+    gm.recompile()
+    ours = [n for n in gm.graph.nodes if n.target is torch.ops.eyas.attend.default]
+    assert [tuple(a.meta["val"].shape) for a in ours[0].args[1:3]] == [tuple(args[1].shape)] * 2
+    assert not [n for n in gm.graph.nodes if n.target is torch.ops.aten.clone.default]
+    got, want = gm(*args), _attention(*[a.double() for a in args])
+    eps = 2 ** -7 if dtype == torch.bfloat16 else 1e-5
+    torch.testing.assert_close(got.double(), want, rtol=eps, atol=eps * float(want.abs().max()))
+
+
 @pytest.mark.parametrize("capabilities", [EMULATED, NATIVE], ids=["emulated-bf16", "native-bf16"])
 def test_eager_bf16_attention_runs_in_fp32_without_bf16_units(cpu, monkeypatch, capabilities):
     """A prefill, a plain step and a masked verify of a bf16 target: attention in fp32 only where the CPU has no bf16

@@ -233,6 +233,29 @@ def test_attend_equals_attention_over_cache_slices(dtype, head_dim, rows, mask_k
     _assert_close(got, want, dtype)
 
 
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", row_gemv.DTYPES)
+@pytest.mark.parametrize("mask_kind", ["none", "additive", "bool"])
+def test_attend_hands_more_rows_than_it_is_told_to_torchs_attention(dtype, mask_kind):
+    """A graph whose row count varies calls eyas::attend with the most rows it is the faster attention of: more rows
+    run torch's CPU flash attention of the same arguments (its output exactly, laid out as the kernel's); as many, the
+    kernel."""
+    if not row_gemv.attend_takes(64):
+        pytest.skip("heads of 64 are not whole vector registers here")
+    gen = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(s, generator=gen).to(dtype) for s in ((1, 6, 5, 64), (1, 2, 40, 64), (1, 2, 40, 64)))
+    seen = torch.rand(1, 1, 5, 40, generator=gen) > 0.3
+    mask = {"none": None, "bool": seen,
+            "additive": torch.zeros(seen.shape).masked_fill(~seen, float("-inf")).to(dtype)}[mask_kind]
+    additive = mask if mask_kind != "bool" else torch.zeros(seen.shape).masked_fill(~seen, float("-inf")).to(dtype)
+    flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, False, attn_mask=additive,
+                                                                       scale=0.3)[0]
+    handed, kernel = (row_gemv.attend(q, k, v, mask, 0.3, most_rows=most) for most in (4, 5))
+    assert torch.equal(handed, flash) and handed.stride() == kernel.stride()  # the layout the graph was told of
+    assert torch.equal(kernel, row_gemv.attend(q, k, v, mask, 0.3))
+    _assert_close(kernel, flash, dtype)
+
 def _shim(op: str, *argtypes):
     """The C function inductor's C++ wrapper calls for `op` (row_gemv.C_SHIMS), looked up among the process's global
     symbols, as the libraries inductor builds find it."""
@@ -277,11 +300,11 @@ def test_c_entry_points_compute_what_the_ops_compute(dtype):
     q = torch.randn(1, 6, 1, 64, generator=gen).to(dtype)
     k, v = (torch.randn(1, 2, 40, 64, generator=gen).to(dtype) for _ in range(2))
     mask = torch.rand(1, 1, 1, 40, generator=gen) > 0.5
-    attend = _shim("attend", ptr, ptr, ptr, ptrs, ctypes.c_double, ptrs)
-    for m in (None, mask):
+    attend = _shim("attend", ptr, ptr, ptr, ptrs, ctypes.c_double, ctypes.c_int64, ptrs)
+    for m, most in ((None, -1), (mask, -1), (mask, 0)):  # 0: handed to torch's attention
         q_h, k_h, v_h, *m_h = handles([q, k, v, *([] if m is None else [m])])
         masked = ctypes.byref(ctypes.c_void_p(m_h[0])) if m_h else None
-        assert attend(q_h, k_h, v_h, masked, 0.125, ctypes.byref(out)) == 0
-        assert torch.equal(tensors([out.value])[0], row_gemv.attend(q, k, v, m, 0.125))
+        assert attend(q_h, k_h, v_h, masked, 0.125, most, ctypes.byref(out)) == 0
+        assert torch.equal(tensors([out.value])[0], row_gemv.attend(q, k, v, m, 0.125, most))
         tensors([q_h, k_h, v_h, *m_h])
     tensors([x_h, *w_h])
