@@ -235,6 +235,23 @@ def test_compiled_step_calls_eyas_kernels_as_c_functions():
     assert "aoti_torch_cpu_row_gemv(" in code and 'findSchemaOrThrow("eyas::row_gemv"' not in code, code[-3000:]
 
 
+def _prefilled(*targets: Target) -> dict:
+    """Per target, a cache holding PROMPT."""
+    caches = {}
+    for target in targets:
+        caches[target] = target.new_cache(1, 32)
+        target(torch.tensor([PROMPT]), cache=caches[target], logits=False)
+        caches[target].commit([len(PROMPT)])
+    return caches
+
+
+def _chain(k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A verify of a chain of k tokens after PROMPT: ids, positions and the tree mask."""
+    n = len(PROMPT)
+    allowed = after_history(torch.tensor([n]), torch.ones(1, k, k, dtype=torch.bool).tril(), n + k)
+    return torch.arange(1, k + 1)[None], torch.arange(n, n + k)[None], allowed
+
+
 @pytest.mark.skipif(not row_gemv.available(), reason="eyas::row_gemv needs an x86 CPU with AVX2")
 def test_compiled_bf16_verifies_run_the_row_kernel_without_bf16_units(monkeypatch):
     """On a CPU without bf16 units (played here) a compiled bf16 verify's products run eyas's row kernel, in the graph
@@ -243,15 +260,9 @@ def test_compiled_bf16_verifies_run_the_row_kernel_without_bf16_units(monkeypatc
     monkeypatch.setattr(cpu_kernels, "native_bf16", lambda: None)  # not torch's reading: inductor's own choices stay
     eager = tiny_target("llama", vocab_size=VOCAB, dtype=torch.bfloat16, seed=2)  # weights of its own: its own graphs
     compiled = Target(eager.model, eager.tokenizer, eager.name_or_path, compile=True)
-    caches = {}
-    for target in (eager, compiled):
-        caches[target] = target.new_cache(1, 32)
-        target(torch.tensor([PROMPT]), cache=caches[target], logits=False)
-        caches[target].commit([len(PROMPT)])
-    n = len(PROMPT)
+    caches = _prefilled(eager, compiled)
     for k in (3, 5, 4):  # 5: the size changed, the graph that takes any size compiles; 4: it runs
-        ids, pos = torch.arange(1, k + 1)[None], torch.arange(n, n + k)[None]
-        allowed = after_history(torch.tensor([n]), torch.ones(1, k, k, dtype=torch.bool).tril(), n + k)
+        ids, pos, allowed = _chain(k)
         logits = []
         for target in (eager, compiled):  # compiled (autotuning runs aten's products) or reused at the first call
             logits.append(target(ids, pos, caches[target], allowed).logits.float())
@@ -273,17 +284,11 @@ def test_compiled_verifies_of_any_size_attend_through_eyas_kernel_up_to_its_rows
     most = cpu_kernels.ATTENTION_ROWS
     eager = tiny_target("llama", vocab_size=VOCAB, seed=3)  # weights of its own: its own graphs
     compiled = Target(eager.model, eager.tokenizer, eager.name_or_path, compile=True)
-    caches = {}
-    for target in (eager, compiled):
-        caches[target] = target.new_cache(1, 32)
-        target(torch.tensor([PROMPT]), cache=caches[target], logits=False)
-        caches[target].commit([len(PROMPT)])
-    n = len(PROMPT)
+    caches = _prefilled(eager, compiled)
     flash = "aten::_scaled_dot_product_flash_attention_for_cpu"
     with torch._inductor.config.patch(fx_graph_cache=False):  # compiled here, not taken from another test's cache
         for k in (most - 1, most + 1, most, most + 2):  # the second: the size changed, the graph of any size compiles
-            ids, pos = torch.arange(1, k + 1)[None], torch.arange(n, n + k)[None]
-            allowed = after_history(torch.tensor([n]), torch.ones(1, k, k, dtype=torch.bool).tril(), n + k)
+            ids, pos, allowed = _chain(k)
             want, got = (target(ids, pos, caches[target], allowed).logits for target in (eager, compiled))
             for target in (eager, compiled):
                 caches[target].rollback()
