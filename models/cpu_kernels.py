@@ -324,13 +324,13 @@ def _through_attention_kernel(graph: fx.Graph, node: fx.Node, vals: list[torch.T
     mask = node.kwargs.get("attn_mask")
     scale = node.kwargs.get("scale")
     scale = float(scale) if scale is not None else q.shape[3] ** -0.5
-    most = ATTENTION_ROWS
     k, v = node.args[1:3]
     heads = _unrepeated(k), _unrepeated(v)
     if all(heads) and statically_known_true(heads[0].meta["val"].shape[1] == heads[1].meta["val"].shape[1]):
         (k, v), vals = heads, [q, heads[0].meta["val"], heads[1].meta["val"]]
-    out = graph.call_function(torch.ops.eyas.attend.default, (node.args[0], k, v, mask, scale, most))
-    out.meta["val"] = row_gemv.attend(*vals, mask.meta["val"] if isinstance(mask, fx.Node) else None, scale, most)
+    out = graph.call_function(torch.ops.eyas.attend.default, (node.args[0], k, v, mask, scale, ATTENTION_ROWS))
+    out.meta["val"] = row_gemv.attend(*vals, mask.meta["val"] if isinstance(mask, fx.Node) else None, scale,
+                                      ATTENTION_ROWS)
     for user in list(node.users):  # the output, and the log-sum-exp nothing reads
         if user.args[1] == 0:
             user.replace_all_uses_with(out)

@@ -308,13 +308,14 @@ void products(const T* x, int64_t M, const std::vector<const T*>& data, const st
     }
   };
   // a thief: the back half of what is left of the share with most left, while that is at least two claims
-  auto take_back = [&](int64_t self) {
+  // (a thread's own shares have none left once `own` returns: its last claim passed their limit)
+  auto take_back = [&]() {
     for (;;) {
       Share* most = nullptr;
       int64_t left = 2 * claim - 1;
-      for (int64_t i = 0; i < count; ++i) {
-        const int64_t l = shares[i].limit.load(std::memory_order_relaxed) - shares[i].next.load(std::memory_order_relaxed);
-        if (i != self && l > left) most = &shares[i], left = l;
+      for (auto& sh : shares) {
+        const int64_t l = sh.limit.load(std::memory_order_relaxed) - sh.next.load(std::memory_order_relaxed);
+        if (l > left) most = &sh, left = l;
       }
       if (!most) return;
       int64_t limit = most->limit.load();
@@ -327,7 +328,7 @@ void products(const T* x, int64_t M, const std::vector<const T*>& data, const st
   };
   at::parallel_for(0, count, 1, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) own(shares[i]);
-    take_back(begin);
+    take_back();
   });
 }
 
@@ -579,25 +580,25 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
               kMaxVectors * kLanes / 2, " (`attend_takes`)");
   const int64_t B = q.size(0), H = q.size(1), T_ = q.size(2), D = q.size(3), S = k.size(2);
   at::Tensor out = at::empty_strided({B, H, T_, D}, {T_ * H * D, D, H * D, 1}, q.options());  // [B, T, H, D] laid out
-  if (most_rows >= 0 && T_ > most_rows) {  // more query rows than this kernel is the faster attention of: torch's
-    c10::optional<at::Tensor> additive = mask;  // which takes a mask in q's dtype, as SDPA hands it one
-    if (mask.has_value() && mask->defined() && mask->scalar_type() == at::kBool)
-      additive = at::where(*mask, at::zeros({}, q.options()),
-                           at::full({}, -std::numeric_limits<float>::infinity(), q.options()));
-    const auto flash = at::_scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, false, additive, scale);
+  const bool masked = mask.has_value() && mask->defined();
+  // the mask as scores to add, in `dtype` (a bool mask: 0 where seen, -inf elsewhere)
+  auto additive = [&](at::ScalarType dtype) {
+    const auto options = mask->options().dtype(dtype);
+    const float unseen = -std::numeric_limits<float>::infinity();
+    return mask->scalar_type() == at::kBool ? at::where(*mask, at::zeros({}, options), at::full({}, unseen, options))
+                                            : mask->to(dtype);
+  };
+  if (most_rows >= 0 && T_ > most_rows) {  // more query rows than this kernel is the faster attention of: torch's,
+    // which takes a mask in q's dtype, as SDPA hands it one
+    const auto flash = at::_scaled_dot_product_flash_attention_for_cpu(
+        q, k, v, 0.0, false, masked ? c10::optional<at::Tensor>(additive(dtype)) : c10::nullopt, scale);
     return out.copy_(std::get<0>(flash));
   }
   const at::Tensor qc = q.stride(3) == 1 ? q : q.contiguous();
   const at::Tensor kc = k.stride(3) == 1 ? k : k.contiguous();
   const at::Tensor vc = v.stride(3) == 1 ? v : v.contiguous();
   at::Tensor m;
-  if (mask.has_value() && mask->defined()) {
-    m = mask->scalar_type() == at::kBool
-            ? at::where(*mask, at::zeros({}, mask->options().dtype(at::kFloat)),
-                        at::full({}, -std::numeric_limits<float>::infinity(), mask->options().dtype(at::kFloat)))
-            : mask->to(at::kFloat);
-    m = m.expand({B, H, T_, S});
-  }
+  if (masked) m = additive(at::kFloat).expand({B, H, T_, S});
   const int nv = int(D / (kLanes / 2));
   if (dtype == at::kFloat)
     attend_dispatch<float, float>(nv, qc, kc, vc, m, scale, out);
