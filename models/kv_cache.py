@@ -87,6 +87,10 @@ class KVCache(Cache):
         self.positions = torch.zeros(batch, capacity, dtype=torch.long, device=device)  # [B, capacity]
         self.pending = 0  # entries written since the last commit / rollback, the same number in every row
         self.fixed = False  # whether the forward in progress is a fixed-shape one (see `writing`)
+        # per layer, whether the forward in progress reports its input (Target.forward sets it; empty between
+        # forwards): a compiled step's graph outputs only those, and is traced anew for other layers (dynamo guards
+        # the cache's attributes; flags, not layer numbers, which dynamo would make symbolic once they change)
+        self.capture: tuple[bool, ...] = ()
         self._index: tuple[int, torch.Tensor, torch.Tensor] | None = None  # (n, rows, cols) of the write in progress
         # per layer [B, kv_heads, capacity, D], allocated at the layer's first write (its shape, dtype and device)
         self.key_buffers: list[torch.Tensor | None] = [None] * num_layers
@@ -166,8 +170,10 @@ class KVCache(Cache):
 
     # ---- writing ------------------------------------------------------------------------------
     @contextlib.contextmanager
-    def writing(self, position_ids: torch.Tensor, fixed: bool = False, keep: int | None = None) -> Iterator[None]:
-        """Bracket one forward over position_ids [B, n]: its layers write n entries per row after the pending ones.
+    def writing(self, position_ids: torch.Tensor, fixed: bool = False, keep: int | None = None,
+                capture: Sequence[int] = ()) -> Iterator[None]:
+        """Bracket one forward over position_ids [B, n]: its layers write n entries per row after the pending ones,
+        and the inputs of the layers in `capture` are reported (`capture`).
 
         fixed: a fixed-shape forward (a compiled graph replayed whatever the context): every layer attends over all
         `capacity` columns (an explicit mask hides the unused ones) and writes through column indices made here, a
@@ -182,12 +188,14 @@ class KVCache(Cache):
             rows, cols = self.write_index(n, self.positions.device)
             self.positions[rows, cols] = position_ids.to(self.positions.device)
         self.fixed = fixed
+        self.capture = tuple(i in capture for i in range(len(self.layers)))
         try:
             yield
         finally:
             self.pending += n if keep is None else keep
             self._index = None
             self.fixed = False
+            self.capture = ()
 
     def reserve(self, need: int) -> None:
         """Room for `need` columns per row: the buffers at least double when they grow (their columns kept)."""

@@ -15,6 +15,7 @@ from eyas.models import target as target_module
 from eyas.models.masks import after_history
 from eyas.models.sampling import Sampling
 from eyas.models.target import Target
+from tests.helpers.families import family_target
 from tests.helpers.inference import always_accept_first_child, assert_drafts_verified, greedy
 from tests.helpers.tiny import tiny_target
 from tests.inference.test_sampling import (
@@ -40,27 +41,51 @@ def pair():
     return eager, compiled, head
 
 
-def _steps(target: Target, layer_ids=(1, 3)) -> list:
-    """A prefill, a plain step and a three-node tree verify (root, two children): each step's logits and features."""
+def _steps(target: Target, layer_ids=(1, 3), logits: bool | torch.Tensor = True) -> list:
+    """A prefill, a plain step and a three-node tree verify (root, two children): each step's logits (every
+    position's, or at the positions `logits` gives: [1, K], the verify's from its last node back) and features."""
     cache = target.new_cache(1, 32)
     out = [target(torch.tensor([PROMPT]), cache=cache, layer_ids=layer_ids)]
     cache.commit([len(PROMPT)])
-    out.append(target(torch.tensor([[11]]), cache=cache, layer_ids=layer_ids))
+    out.append(target(torch.tensor([[11]]), cache=cache, layer_ids=layer_ids, logits=logits))
     cache.commit([1])
     n = len(PROMPT) + 1
     allowed = after_history(torch.tensor([n]), torch.tensor([[[1, 0, 0], [1, 1, 0], [1, 0, 1]]], dtype=torch.bool),
                             n + 3)
+    verified = logits if logits is True else 2 - logits
     out.append(target(torch.tensor([[12, 13, 14]]), torch.tensor([[n, n + 1, n + 1]]), cache, allowed,
-                      layer_ids=layer_ids))
+                      layer_ids=layer_ids, logits=verified))
     return out
 
 
 def test_compiled_steps_equal_eager_steps(pair):
+    """Graphs traced without fused layers first (plain decoding), then steps that ask for some, then for others: each
+    set of layers gets graphs whose captured states are the ones asked for."""
     eager, compiled, _ = pair
-    _steps(compiled, layer_ids=())  # graphs traced without fused layers first (plain decoding), then read with them
-    for want, got in zip(_steps(eager), _steps(compiled)):
-        torch.testing.assert_close(got.logits, want.logits, rtol=1e-5, atol=1e-5)
-        torch.testing.assert_close(got.features, want.features, rtol=1e-5, atol=1e-5)
+    _steps(compiled, layer_ids=())
+    for layer_ids in ((1, 3), (2,), (3, 0)):
+        for want, got in zip(_steps(eager, layer_ids), _steps(compiled, layer_ids)):
+            torch.testing.assert_close(got.logits, want.logits, rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(got.features, want.features, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("family", ["llama-tied", "granite"])
+def test_compiled_steps_compute_their_logits_in_the_graph_where_the_lm_head_alone_gives_them(family, monkeypatch):
+    """A model whose logits are its lm_head's output gets them from its compiled steps' graphs, with no logits call
+    after them; one whose forward scales them (Granite) from its forward, as an eager step does. Either way a plain
+    step's and a verify's logits (at given positions and at every node) equal the eager steps'."""
+    eager = family_target(family)
+    compiled = Target(eager.model, eager.tokenizer, eager.name_or_path, compile=True)
+    compiled.verify_mode()  # its check, at the first verify, calls `logits`
+    calls = []
+    logits = compiled.logits
+    monkeypatch.setattr(compiled, "logits", lambda hidden: calls.append(1) or logits(hidden))
+    for picked in (torch.tensor([[0]]), True):
+        calls.clear()
+        for want, got in zip(_steps(eager, (1,), picked), _steps(compiled, (1,), picked)):
+            torch.testing.assert_close(got.logits, want.logits, rtol=1e-5, atol=1e-5)
+        after_prefill = len(calls) - 1  # the prefill runs eager
+        assert after_prefill == (0 if family == "llama-tied" else 2)
 
 
 def test_compiled_targets_share_graphs_only_where_they_share_weights(pair):
@@ -188,7 +213,7 @@ def test_compiled_step_runs_no_aten_products(pair):
     cache.commit([len(PROMPT)])
     for _ in range(2):  # compiled (or taken from the module's earlier graphs), then profiled
         with torch.profiler.profile() as prof:
-            compiled(torch.tensor([[11]]), cache=cache, logits=False)
+            compiled(torch.tensor([[11]]), cache=cache)
         cache.rollback()
     ran = {event.key for event in prof.key_averages()}
     assert not ran & {"aten::mm", "aten::addmm", "aten::linear", "aten::matmul"}, sorted(ran)
@@ -209,8 +234,8 @@ def test_compiled_step_runs_one_row_products_through_eyas_kernel(dtype):
         cache.commit([len(PROMPT)])
         out = target(torch.tensor([[11]]), cache=cache)
         cache.rollback()
-        with torch.profiler.profile() as prof:  # the decoder's products alone: no logits (their own kernel)
-            target(torch.tensor([[11]]), cache=cache, logits=False)
+        with torch.profiler.profile() as prof:  # the step again: its graph, the lm_head's product in it, compiled
+            target(torch.tensor([[11]]), cache=cache)
         cache.rollback()
         steps.append((out.logits.float(), {event.key for event in prof.key_averages()}))
     (want, _), (got, ran) = steps
@@ -267,8 +292,8 @@ def test_compiled_bf16_verifies_run_the_row_kernel_without_bf16_units(monkeypatc
         for target in (eager, compiled):  # compiled (autotuning runs aten's products) or reused at the first call
             logits.append(target(ids, pos, caches[target], allowed).logits.float())
             caches[target].rollback()
-            with torch.profiler.profile() as prof:  # the decoder's products alone: no logits (their own kernel)
-                target(ids, pos, caches[target], allowed, logits=False)
+            with torch.profiler.profile() as prof:  # the verify again: its graph (the lm_head in it), compiled
+                target(ids, pos, caches[target], allowed)
             caches[target].rollback()
         ran = {event.key for event in prof.key_averages()}
         assert "eyas::row_gemv" in ran and not ran & {"aten::mm", "aten::addmm", "aten::linear"}, (k, sorted(ran))
@@ -293,7 +318,7 @@ def test_compiled_verifies_of_any_size_attend_through_eyas_kernel_up_to_its_rows
             for target in (eager, compiled):
                 caches[target].rollback()
             with torch.profiler.profile() as prof:
-                compiled(ids, pos, caches[compiled], allowed, logits=False)
+                compiled(ids, pos, caches[compiled], allowed)
             caches[compiled].rollback()
             ran = {event.key for event in prof.key_averages()}
             assert "eyas::attend" in ran and (flash in ran) == (k > most), (k, sorted(ran))
