@@ -20,9 +20,10 @@ than the caches). The rate moves on a shared host, and the steps with it: it is 
 median share over the blocks (the limit line: the upper median of all the reads, and their range); where the reads
 fell at more than one level, the last variant's median share at each level is printed as well. `--profile` adds
 the top ops of each variant's one-token step (torch.profiler, self CPU time). `--pieces` splits the compiled
-variant's forward, per k, into the compiled decoder call, the inductor graph inside it (the rest of the call is
-torch.compile's frame entry, guard check and wrappers), the logits, and the Target's own code around them (wall
-clock, medians, no profiler).
+variant's forward, per k, into the compiled call (the decoder, and the logits where the lm_head alone gives them),
+the inductor graph inside it (the rest of the call is torch.compile's frame entry, guard check and wrappers), the
+logits computed after it (none where the graph computes them), and the Target's own code around them (wall clock,
+medians, no profiler).
 """
 
 from __future__ import annotations
@@ -59,7 +60,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--fixed", action="store_true", help="add the compiled variant with fixed shapes")
     p.add_argument("--profile", action="store_true", help="print each variant's top ops for a one-token step")
     p.add_argument("--pieces", action="store_true",
-                   help="split the compiled variant's forward into decoder call, its graph, logits and the rest")
+                   help="split the compiled variant's forward into the compiled call, its graph, logits and the rest")
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -201,13 +202,14 @@ def read_levels(rates: list[float], gap: float = 1.2) -> list[list[int]]:
 
 def pieces(target, run: Callable[[], object], repeats: int) -> dict[str, float]:
     """Medians (s) of a compiled Target's forward and its parts over `repeats` calls of `run`: the whole forward,
-    the compiled decoder call, the inductor graph inside it (timed at inductor's compiled-graph call), the logits,
-    and what is left (the Target's own code). The timers are wrapped around the parts for these calls only."""
+    the compiled call, the inductor graph inside it (timed at inductor's compiled-graph call), the logits computed
+    after it (0 where the graph computes them), and what is left (the Target's own code). The timers are wrapped
+    around the parts for these calls only."""
     import statistics
 
     from torch._inductor.output_code import CompiledFxGraph
 
-    took: dict[str, list[float]] = {"forward": [], "decoder call": [], "graph": [], "logits": []}
+    took: dict[str, list[float]] = {"forward": [], "compiled call": [], "graph": [], "logits": []}
 
     def timed(name: str, fn: Callable) -> Callable:
         def wrapper(*a, **kw):
@@ -219,7 +221,7 @@ def pieces(target, run: Callable[[], object], repeats: int) -> dict[str, float]:
 
     graph_call, decoder, logits = CompiledFxGraph.__call__, target._compiled, target.logits
     CompiledFxGraph.__call__ = timed("graph", graph_call)
-    vars(target)["_compiled"] = timed("decoder call", decoder)  # shadows the registered submodule
+    vars(target)["_compiled"] = timed("compiled call", decoder)  # shadows the registered submodule
     target.logits = timed("logits", logits)
     try:
         for _ in range(repeats):
@@ -228,7 +230,7 @@ def pieces(target, run: Callable[[], object], repeats: int) -> dict[str, float]:
         CompiledFxGraph.__call__ = graph_call
         del vars(target)["_compiled"], target.logits
     m = {name: statistics.median(v) if v else 0.0 for name, v in took.items()}
-    m["rest"] = m["forward"] - m["decoder call"] - m["logits"]
+    m["rest"] = m["forward"] - m["compiled call"] - m["logits"]
     return m
 
 

@@ -11,18 +11,17 @@ would run the first's), the second compiled with its kernel held back (and no ca
 keys on the pass's source, not on what it was told). A round runs one verify of --tokens tokens (a chain under a tree
 mask, the logits of every token, as generation verifies) of each over --context cached tokens, the order switching
 every round, so the machine's drift hits both alike. With --any-size each first verifies another number of tokens, so
-the timed verifies run the graph that takes any size, as generation's do once its tree size has changed. The logits
-each forward computes (the lm_head's product, eager) take the same product in both. Printed: each one's median
+the timed verifies run the graph that takes any size, as generation's do once its tree size has changed. Each graph
+computes its forward's logits too (the lm_head's product, one of the products held back). Printed: each one's median
 forward and the median per-round ratio of the held-back forward to eyas's (above 1: eyas's kernels help).
 """
 from __future__ import annotations
 
 import argparse
-import statistics
 from unittest import mock
 
 import torch
-from step_ab import alternate, forwards, ratio  # beside this script
+from step_ab import alternate, forwards, report  # beside this script
 
 from eyas.models import Target, cpu_kernels
 
@@ -62,10 +61,7 @@ def main(argv: list[str] | None = None) -> None:
         steps.update(verifies(held, Target(again.model, again.tokenizer, again.name_or_path, compile=True)))
     took = alternate(steps, args.rounds, switch=True)
     graph = "the graph of any size" if args.any_size else "a graph of this size"
-    for name, times in took.items():
-        print(f"{args.dtype} {args.tokens} tokens, {graph}, {name}: median {1e3 * statistics.median(times):.2f} ms")
-    print(f"{args.dtype} {args.tokens} tokens, {graph}, held back / eyas, per round: median "
-          f"{ratio(took, held, 'eyas'):.3f} ({args.rounds} rounds)")
+    report(took, f"{args.dtype} {args.tokens} tokens, {graph}", held, args.rounds)
 
 
 if __name__ == "__main__":

@@ -1,5 +1,5 @@
 """Steps of two compiled Targets, timed alternately in one process (the A/B benchmarks' shared loop:
-weight_layout_ab.py, compile_options_ab.py, kernel_rows_ab.py)."""
+weight_layout_ab.py, compile_options_ab.py, kernel_rows_ab.py, logits_in_graph_ab.py)."""
 from __future__ import annotations
 
 import statistics
@@ -66,3 +66,11 @@ def alternate(steps: dict[str, Callable], rounds: int, per_round: int = 1, switc
 def ratio(took: dict[str, list[float]], slower: str, faster: str) -> float:
     """The median per-round ratio of `slower`'s step time to `faster`'s (above 1: `faster` is faster)."""
     return statistics.median(a / b for a, b in zip(took[slower], took[faster]))
+
+
+def report(took: dict[str, list[float]], label: str, held: str, rounds: int) -> None:
+    """Print each variant's median step and the median per-round ratio of the held-back variant `held` to eyas's
+    (the variant named "eyas"), each line headed by `label`."""
+    for name, times in took.items():
+        print(f"{label}, {name}: median {1e3 * statistics.median(times):.2f} ms")
+    print(f"{label}, held back / eyas, per round: median {ratio(took, held, 'eyas'):.3f} ({rounds} rounds)")
