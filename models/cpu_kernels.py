@@ -344,7 +344,7 @@ def _unrepeated(node: object) -> fx.Node | None:
     eyas's kernel reads each key/value head once for all the query heads that read it, so it takes them unrepeated,
     and the copy of the cache in every layer goes with the clone nothing reads then."""
     view = node
-    if not (isinstance(view, fx.Node) and view.target in _VIEWS and len(view.args[1]) == 4):
+    if not (isinstance(view, fx.Node) and view.target in row_gemv.VIEWS and len(view.args[1]) == 4):
         return None
     clone = view.args[0]
     if not (isinstance(clone, fx.Node) and clone.target is _CLONE):
@@ -389,7 +389,6 @@ def _in_fp32(graph: fx.Graph, node: fx.Node, dtype: torch.dtype) -> bool:
 
 
 _FLASH_CPU = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
-_VIEWS = (torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default, torch.ops.aten.reshape.default)
 _CLONE, _EXPAND, _UNSQUEEZE = (torch.ops.aten.clone.default, torch.ops.aten.expand.default,
                                torch.ops.aten.unsqueeze.default)
 _CONVERT = torch.ops.prims.convert_element_type.default

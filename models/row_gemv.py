@@ -203,12 +203,12 @@ def _product(node: fx.Node, takes: Callable[[torch.dtype, int | None], bool]
 
 def _viewed(node: fx.Node) -> fx.Node:
     """The node whose data `node` views through reshapes (each linear layer reshapes its input itself)."""
-    while node.op == "call_function" and node.target in _VIEWS:
+    while node.op == "call_function" and node.target in VIEWS:
         node = node.args[0]
     return node
 
 
-_VIEWS = (_aten.view.default, _aten.reshape.default, _aten._unsafe_view.default)
+VIEWS = (_aten.view.default, _aten.reshape.default, _aten._unsafe_view.default)  # the aten ops of a reshape
 
 
 def rewrite_products(graph: fx.Graph, takes: Callable[[torch.dtype, int | None], bool] = one_row) -> int:

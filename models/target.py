@@ -403,7 +403,7 @@ class Target(nn.Module):
             if fixed:  # as the states above; every position's: the real tokens' only
                 logit_out = (logit_out[:, :t] if project is True else logit_out).clone()
         elif isinstance(logits, torch.Tensor):
-            logit_out = self.logits(hidden.gather(1, logits[..., None].expand(-1, -1, hidden.shape[-1])))
+            logit_out = self.logits(_at(hidden, logits))
         elif logits:
             logit_out = self.logits(hidden)
         return TargetOutput(logits=logit_out, hidden=hidden, features=features)
@@ -701,8 +701,12 @@ class _Step(nn.Module):
         hidden = self.decoder(**inputs).last_hidden_state
         if rows is None:
             return hidden, None
-        picked = hidden if rows is True else hidden.gather(1, rows[..., None].expand(-1, -1, hidden.shape[-1]))
-        return hidden, self.head(picked)
+        return hidden, self.head(hidden if rows is True else _at(hidden, rows))
+
+
+def _at(hidden: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """hidden [B, T, H] at positions [B, K] of each row -> [B, K, H]."""
+    return hidden.gather(1, positions[..., None].expand(-1, -1, hidden.shape[-1]))
 
 
 _LAYER_INPUTS: "weakref.WeakKeyDictionary[nn.Module, dict[int, torch.Tensor]]" = weakref.WeakKeyDictionary()
@@ -720,18 +724,13 @@ def _layer_inputs(layers: nn.ModuleList) -> dict[int, torch.Tensor]:
     return _LAYER_INPUTS[layers]
 
 
-def _cache_in(args: tuple, kwargs: dict) -> KVCache | None:
-    """The eyas cache a module was called with, if any."""
-    return next((a for a in (*kwargs.values(), *args) if isinstance(a, KVCache)), None)
-
-
 def _capture(store: dict[int, torch.Tensor], i: int):
     """A forward pre-hook that stores layer i's input in `store`, where the eyas cache the layer was called with asks
     for it (`KVCache.capture`) or there is none: a compiled step traces the hook into its graph, which then
     outputs only the states asked for (each output held, each stored by Python after the graph: ~75 us of a bf16
     SmolLM2-135M step for all 30 layers)."""
     def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
-        cache = _cache_in(args, kwargs)
+        cache = next((a for a in (*kwargs.values(), *args) if isinstance(a, KVCache)), None)  # the layer's, if any
         if cache is None or not cache.capture or cache.capture[i]:
             store[i] = args[0] if args else kwargs["hidden_states"]
 
