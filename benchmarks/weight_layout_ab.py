@@ -31,7 +31,7 @@ def main(argv: list[str] | None = None) -> None:
 
     loaded = Target.load(args.target, dtype=args.dtype, device="cpu", cpu_kernels=False)  # weights where loaded
     moved = copy.deepcopy(loaded.model)
-    weight_arena._ARRANGED.add(loaded.model)  # keeps the first copy where it was loaded
+    weight_arena._ARRANGED[loaded.model] = None  # keeps the first copy where it was loaded
     targets = {"as loaded": Target(loaded.model, loaded.tokenizer, loaded.name_or_path, compile=True),
                "one buffer": Target(moved, loaded.tokenizer, loaded.name_or_path, compile=True)}
     steps = forwards(targets, args.context)

@@ -332,43 +332,86 @@ void products(const T* x, int64_t M, const std::vector<const T*>& data, const st
   });
 }
 
-template <typename T, typename Out>
-void run(const at::Tensor& x, at::TensorList weights, const std::vector<int64_t>& first_row, at::Tensor& y) {
-  std::vector<const T*> data;  // per weight: its first element
-  for (const auto& w : weights) data.push_back(reinterpret_cast<const T*>(w.data_ptr()));
-  const at::Tensor xc = x.contiguous();
+// y = x times weights laid out one after another in their rows: data[i] the first element of weight i, whose rows are
+// first_row[i] .. first_row[i + 1] of all of them (K elements each, contiguous, x's dtype).
+at::Tensor gemv(const at::Tensor& x, const std::vector<const void*>& data, const std::vector<int64_t>& first_row) {
   const int64_t K = x.size(-1);
-  products(reinterpret_cast<const T*>(xc.data_ptr()), xc.numel() / K, data, first_row, K, y.data_ptr<Out>());
-}
-
-at::Tensor row_gemv(const at::Tensor& x, at::TensorList weights) {
-  const auto dtype = x.scalar_type();
-  TORCH_CHECK(x.device().is_cpu() && (dtype == at::kBFloat16 || dtype == at::kFloat),
-              "eyas::row_gemv: x must be bf16 or fp32 on CPU");
-  const int64_t K = x.size(-1);
-  TORCH_CHECK(K > 0 && x.numel() >= K, "eyas::row_gemv: x must hold at least one row, got ", x.sizes());
-  TORCH_CHECK(!weights.empty(), "eyas::row_gemv: no weights");
-  std::vector<int64_t> first_row{0};  // per weight: its first row in the rows of all weights (its first output)
-  for (const auto& w : weights) {
-    TORCH_CHECK(w.device().is_cpu() && w.scalar_type() == dtype && w.dim() == 2 && w.size(1) == K &&
-                    w.is_contiguous(),
-                "eyas::row_gemv: weights must be contiguous [N, ", K, "] on CPU in x's dtype (", dtype, "), got ",
-                w.scalar_type(), " ", w.sizes());
-    first_row.push_back(first_row.back() + w.size(0));
-  }
-  if (x.numel() / K > kMaxRows) {
-    std::vector<at::Tensor> parts;
-    for (const auto& w : weights) parts.push_back(at::linear(x, w));
-    return at::cat(parts, -1);
-  }
   auto sizes = x.sizes().vec();
   sizes.back() = first_row.back();
   at::Tensor y = at::empty(sizes, x.options());
-  if (dtype == at::kFloat)
-    run<float, float>(x, weights, first_row, y);
-  else
-    run<uint16_t, at::BFloat16>(x, weights, first_row, y);
+  const at::Tensor xc = x.contiguous();
+  if (x.scalar_type() == at::kFloat) {
+    std::vector<const float*> rows(data.size());
+    for (size_t i = 0; i < data.size(); ++i) rows[i] = static_cast<const float*>(data[i]);
+    products(xc.data_ptr<float>(), xc.numel() / K, rows, first_row, K, y.data_ptr<float>());
+  } else {
+    std::vector<const uint16_t*> rows(data.size());
+    for (size_t i = 0; i < data.size(); ++i) rows[i] = static_cast<const uint16_t*>(data[i]);
+    products(reinterpret_cast<const uint16_t*>(xc.data_ptr()), xc.numel() / K, rows, first_row, K,
+             y.data_ptr<at::BFloat16>());
+  }
   return y;
+}
+
+// x's dtype and rows, checked as both forms of the op take them; returns K.
+int64_t check_rows(const at::Tensor& x, const char* op) {
+  const auto dtype = x.scalar_type();
+  TORCH_CHECK(x.device().is_cpu() && (dtype == at::kBFloat16 || dtype == at::kFloat), op,
+              ": x must be bf16 or fp32 on CPU");
+  const int64_t K = x.size(-1);
+  TORCH_CHECK(K > 0 && x.numel() >= K, op, ": x must hold at least one row, got ", x.sizes());
+  return K;
+}
+
+// Past kMaxRows rows: torch's products of the weights, concatenated.
+at::Tensor linears(const at::Tensor& x, at::TensorList weights) {
+  std::vector<at::Tensor> parts;
+  for (const auto& w : weights) parts.push_back(at::linear(x, w));
+  return at::cat(parts, -1);
+}
+
+at::Tensor row_gemv(const at::Tensor& x, at::TensorList weights) {
+  const int64_t K = check_rows(x, "eyas::row_gemv");
+  TORCH_CHECK(!weights.empty(), "eyas::row_gemv: no weights");
+  std::vector<int64_t> first_row{0};  // per weight: its first row in the rows of all weights (its first output)
+  std::vector<const void*> data;
+  for (const auto& w : weights) {
+    TORCH_CHECK(w.device().is_cpu() && w.scalar_type() == x.scalar_type() && w.dim() == 2 && w.size(1) == K &&
+                    w.is_contiguous(),
+                "eyas::row_gemv: weights must be contiguous [N, ", K, "] on CPU in x's dtype (", x.scalar_type(),
+                "), got ", w.scalar_type(), " ", w.sizes());
+    first_row.push_back(first_row.back() + w.size(0));
+    data.push_back(w.data_ptr());
+  }
+  return x.numel() / K > kMaxRows ? linears(x, weights) : gemv(x, data, first_row);
+}
+
+// The same product, each weight given by where it lies in `arena` (1-D uint8, the buffer that holds a model's weights:
+// weight_arena.py): weight i is [rows[i], K] in x's dtype from byte offsets[i] on. A compiled step then takes one
+// tensor for all its weights, not one per weight (each tensor a graph takes costs its call ~0.5-1 us).
+at::Tensor row_gemv_at(const at::Tensor& x, const at::Tensor& arena, at::IntArrayRef offsets, at::IntArrayRef rows) {
+  const int64_t K = check_rows(x, "eyas::row_gemv_at");
+  TORCH_CHECK(arena.device().is_cpu() && arena.scalar_type() == at::kByte && arena.dim() == 1 &&
+                  arena.is_contiguous(),
+              "eyas::row_gemv_at: the arena must be a contiguous 1-D uint8 tensor on CPU");
+  TORCH_CHECK(!offsets.empty() && offsets.size() == rows.size(),
+              "eyas::row_gemv_at: one offset and one row count per weight, got ", offsets.size(), " and ", rows.size());
+  const int64_t row_bytes = K * x.element_size();
+  std::vector<int64_t> first_row{0};
+  std::vector<const void*> data;
+  for (size_t i = 0; i < offsets.size(); ++i) {
+    TORCH_CHECK(rows[i] > 0 && offsets[i] >= 0 && offsets[i] + rows[i] * row_bytes <= arena.numel() &&
+                    offsets[i] % x.element_size() == 0,
+                "eyas::row_gemv_at: weight ", i, " ([", rows[i], ", ", K, "] at byte ", offsets[i],
+                ") does not lie in the arena of ", arena.numel(), " bytes");
+    first_row.push_back(first_row.back() + rows[i]);
+    data.push_back(static_cast<const uint8_t*>(arena.data_ptr()) + offsets[i]);
+  }
+  if (x.numel() / K <= kMaxRows) return gemv(x, data, first_row);
+  std::vector<at::Tensor> weights;
+  for (size_t i = 0; i < offsets.size(); ++i)
+    weights.push_back(arena.narrow(0, offsets[i], rows[i] * row_bytes).view(x.scalar_type()).view({rows[i], K}));
+  return linears(x, weights);
 }
 
 // ---- eyas::attend: the attention of a few query rows over a cache ----------------------------------------------------
@@ -611,11 +654,13 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
 
 TORCH_LIBRARY(eyas, m) {
   m.def("row_gemv(Tensor x, Tensor[] weights) -> Tensor");
+  m.def("row_gemv_at(Tensor x, Tensor arena, int[] offsets, int[] rows) -> Tensor");
   m.def("attend(Tensor q, Tensor k, Tensor v, Tensor? mask, float scale, int most_rows=-1) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(eyas, CPU, m) {
   m.impl("row_gemv", &row_gemv);
+  m.impl("row_gemv_at", &row_gemv_at);
   m.impl("attend", &attend);
 }
 
@@ -637,6 +682,16 @@ AOTITorchError aoti_torch_cpu_row_gemv(AtenTensorHandle x, const AtenTensorHandl
     c10::SmallVector<at::Tensor, 4> ws;
     for (int64_t i = 0; i < count; ++i) ws.push_back(tensor(weights[i]));
     *out = torch::aot_inductor::new_tensor_handle(row_gemv(tensor(x), ws));
+  });
+}
+
+AOTITorchError aoti_torch_cpu_row_gemv_at(AtenTensorHandle x, AtenTensorHandle arena, const int64_t* offsets,
+                                          int64_t offsets_len, const int64_t* rows, int64_t rows_len,
+                                          AtenTensorHandle* out) {
+  AOTI_TORCH_CONVERT_EXCEPTION_TO_ERROR_CODE({
+    RECORD_FUNCTION("eyas::row_gemv_at", c10::ArrayRef<const c10::IValue>{});
+    *out = torch::aot_inductor::new_tensor_handle(
+        row_gemv_at(tensor(x), tensor(arena), {offsets, size_t(offsets_len)}, {rows, size_t(rows_len)}));
   });
 }
 

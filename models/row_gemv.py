@@ -110,6 +110,7 @@ def available() -> bool:
                            str(e).splitlines()[0] if str(e) else type(e).__name__)
             return False
     torch.library.register_fake("eyas::row_gemv")(_row_gemv_shape)
+    torch.library.register_fake("eyas::row_gemv_at")(_row_gemv_at_shape)
     torch.library.register_fake("eyas::attend")(_attend_shape)
     return True
 
@@ -119,6 +120,9 @@ def available() -> bool:
 C_SHIMS = {
     "row_gemv": "AOTITorchError aoti_torch_cpu_row_gemv(AtenTensorHandle x, const AtenTensorHandle* weights, "
                 "int64_t count, AtenTensorHandle* out)",
+    "row_gemv_at": "AOTITorchError aoti_torch_cpu_row_gemv_at(AtenTensorHandle x, AtenTensorHandle arena, "
+                   "const int64_t* offsets, int64_t offsets_len, const int64_t* rows, int64_t rows_len, "
+                   "AtenTensorHandle* out)",
     "attend": "AOTITorchError aoti_torch_cpu_attend(AtenTensorHandle q, AtenTensorHandle k, AtenTensorHandle v, "
               "AtenTensorHandle* mask, double scale, int64_t most_rows, AtenTensorHandle* out)",
 }
@@ -133,11 +137,23 @@ def _row_gemv_shape(x: torch.Tensor, weights: Sequence[torch.Tensor]) -> torch.T
     return x.new_empty((*x.shape[:-1], sum(w.shape[0] for w in weights)))
 
 
+def _row_gemv_at_shape(x: torch.Tensor, arena: torch.Tensor, offsets: Sequence[int], rows: Sequence[int]
+                       ) -> torch.Tensor:
+    return x.new_empty((*x.shape[:-1], sum(rows)))
+
+
 def row_gemv(x: torch.Tensor, weights: Sequence[torch.Tensor]) -> torch.Tensor:
     """x [..., K] holding M rows (past MAX_ROWS F.linear computes them), weights [N_i, K] contiguous in x's dtype (one
     of DTYPES) -> [..., sum N_i]: x times each weight, in order (what `torch.cat([F.linear(x, w) for w in weights], -1)`
     computes, accumulated in fp32). Needs `available()`."""
     return torch.ops.eyas.row_gemv(x, list(weights))
+
+
+def row_gemv_at(x: torch.Tensor, arena: torch.Tensor, offsets: Sequence[int], rows: Sequence[int]) -> torch.Tensor:
+    """`row_gemv` of weights given by where they lie in `arena` (a 1-D uint8 tensor: the buffer an arranged model's
+    weights live in, weight_arena.py): weight i is [rows[i], K] in x's dtype from byte offsets[i] on. A compiled step
+    takes the arena as one tensor instead of a tensor per weight. Needs `available()`."""
+    return torch.ops.eyas.row_gemv_at(x, arena, list(offsets), list(rows))
 
 
 def _attend_shape(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
@@ -211,11 +227,18 @@ def _viewed(node: fx.Node) -> fx.Node:
 VIEWS = (_aten.view.default, _aten.reshape.default, _aten._unsafe_view.default)  # the aten ops of a reshape
 
 
-def rewrite_products(graph: fx.Graph, takes: Callable[[torch.dtype, int | None], bool] = one_row) -> int:
+Locate = Callable[[Sequence[torch.Tensor]], "tuple[torch.Tensor, list[int]] | None"]
+
+
+def rewrite_products(graph: fx.Graph, takes: Callable[[torch.dtype, int | None], bool] = one_row,
+                     locate: Locate | None = None) -> int:
     """Replace the graph's products of M rows by eyas::row_gemv where takes(dtype, M) holds (M up to MAX_ROWS, or None
     where the graph leaves the row count to run time), one call per input shared by several products (its output sliced
     per product, a bias added after); returns how many products it replaced. Run before inductor freezes the weights: a
-    product there still reads its weight as an input."""
+    product there still reads its weight as an input.
+    locate(weights) -> (arena, byte offsets) or None: where the graph is compiled with frozen weights, products whose
+    weights all lie in one buffer (weight_arena.arena_of) take them as eyas::row_gemv_at of that buffer, so the graph
+    holds one constant for all of them instead of one per weight."""
     groups: dict[fx.Node, list] = defaultdict(list)  # by the tensor each product's row is a view of
     for node in graph.nodes:
         if node.op == "call_function" and (found := _product(node, takes)) is not None:
@@ -223,27 +246,62 @@ def rewrite_products(graph: fx.Graph, takes: Callable[[torch.dtype, int | None],
     if not groups or not available():
         return 0
     fake_mode = torch._guards.detect_fake_mode([products[0][1].meta["val"] for products in groups.values()])
+    held = _frozen_weights(graph) if locate is not None else {}
+    arenas: dict[int, fx.Node] = {}  # by the arena's id: its node in the graph
     replaced = 0
     for products in groups.values():
         x = products[0][1]  # each product's own view of the rows: any of them reads the same data
         weights = [weight for _, _, weight, _ in products]
+        rows = [w.meta["val"].shape[0] for w in weights]
+        found = locate([held[w] for w in weights]) if all(w in held for w in weights) else None
         with graph.inserting_before(products[0][0]), fake_mode:
-            y = graph.call_function(torch.ops.eyas.row_gemv.default, (x, weights))
-            y.meta["val"] = row_gemv(x.meta["val"], [w.meta["val"] for w in weights])
+            if found is None:
+                y = graph.call_function(torch.ops.eyas.row_gemv.default, (x, weights))
+                y.meta["val"] = row_gemv(x.meta["val"], [w.meta["val"] for w in weights])
+            else:
+                arena, offsets = found
+                y = graph.call_function(torch.ops.eyas.row_gemv_at.default,
+                                        (x, _arena_node(graph, arena, arenas, fake_mode), offsets, rows))
+                y.meta["val"] = x.meta["val"].new_empty((*x.meta["val"].shape[:-1], sum(rows)))
             start = 0
-            for node, _, weight, bias in products:
-                end = start + weight.meta["val"].shape[0]
-                out = graph.call_function(_aten.slice.Tensor, (y, 1, start, end))
-                out.meta["val"] = y.meta["val"][:, start:end]
+            for (node, _, _, bias), n in zip(products, rows):
+                out = graph.call_function(_aten.slice.Tensor, (y, 1, start, start + n))
+                out.meta["val"] = y.meta["val"][:, start:start + n]
                 if bias is not None:
                     out_val = out.meta["val"] + bias.meta["val"]
                     out = graph.call_function(_aten.add.Tensor, (out, bias))
                     out.meta["val"] = out_val
                 node.replace_all_uses_with(out)
-                start = end
+                start += n
         for node, *_ in products:  # after the insertions, which go before the first of them
             graph.erase_node(node)
         replaced += len(products)
     graph.eliminate_dead_code()
     return replaced
 
+
+def _frozen_weights(graph: fx.Graph) -> dict[fx.Node, torch.Tensor]:
+    """The graph's inputs that inductor's freezing makes constants, by node: the parameters (the first inputs of a graph
+    being compiled with freezing on, the tracing context holding their values); empty where it does not freeze."""
+    from torch._inductor import config
+
+    context = torch._guards.TracingContext.try_get()
+    params = getattr(context, "params_flat_unwrap_subclasses", None) if context is not None else None
+    if not (config.freezing and params and graph.owning_module is not None):
+        return {}
+    return dict(zip(graph.find_nodes(op="placeholder"), params))
+
+
+def _arena_node(graph: fx.Graph, arena: torch.Tensor, nodes: dict[int, fx.Node], fake_mode) -> fx.Node:
+    """The graph's node reading `arena`, as an attribute of the graph's module (one per arena)."""
+    if id(arena) not in nodes:
+        name = f"_eyas_weights_{len(nodes)}"
+        graph.owning_module.register_buffer(name, arena, persistent=False)
+        # inductor's mark of a frozen weight: its cache of compiled graphs takes such a constant from the module it
+        # compiles, by name, rather than storing a copy of it (the whole model's weights) with each graph
+        arena._is_frozen_param = True
+        with graph.inserting_before(next(iter(graph.nodes))):
+            node = graph.get_attr(name)
+        node.meta["val"] = fake_mode.from_tensor(arena, static_shapes=True)
+        nodes[id(arena)] = node
+    return nodes[id(arena)]

@@ -13,11 +13,11 @@ import hashlib
 
 from torch import fx
 
-from . import cpu_kernels, row_gemv
+from . import cpu_kernels, row_gemv, weight_arena
 
 
 def rewrite_step(graph: fx.Graph) -> None:
-    row_gemv.rewrite_products(graph, cpu_kernels.row_kernel_takes)
+    row_gemv.rewrite_products(graph, cpu_kernels.row_kernel_takes, weight_arena.arena_of)
     cpu_kernels.rewrite_attention(graph)
 
 
@@ -33,7 +33,8 @@ def step_pass():
             rewrite_step(graph)
 
         def uuid(self) -> bytes:
-            files = get_hash_for_files((__file__, row_gemv.__file__, str(row_gemv.SOURCE), cpu_kernels.__file__))
+            files = get_hash_for_files((__file__, row_gemv.__file__, str(row_gemv.SOURCE), cpu_kernels.__file__,
+                                        weight_arena.__file__))
             return hashlib.sha256(files + f"{row_gemv.isa()} {cpu_kernels.native_bf16()}".encode()).digest()
 
     return StepPass()

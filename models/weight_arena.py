@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 import mmap
 import weakref
+from typing import Sequence
 
 import torch
 from torch import nn
@@ -25,7 +26,8 @@ from .cpu_kernels import whole
 logger = logging.getLogger(__name__)
 
 _ALIGN = 64  # a cache line: every weight starts on one
-_ARRANGED: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
+# per arranged model: its buffer as one uint8 tensor (None: arranged elsewhere), which also keeps the buffer mapped
+_ARRANGED: "weakref.WeakKeyDictionary[nn.Module, torch.Tensor | None]" = weakref.WeakKeyDictionary()
 
 
 def movable(p: nn.Parameter) -> bool:
@@ -65,6 +67,18 @@ def arrange_weights(model: nn.Module, last: nn.Parameter | None = None) -> int:
             moved = torch.frombuffer(buffer, dtype=p.dtype, count=p.numel(), offset=offset).view(p.shape)
             moved.copy_(p.data)
             p.data = moved
-    _ARRANGED.add(model)
+    _ARRANGED[model] = torch.frombuffer(buffer, dtype=torch.uint8)
     logger.debug("moved %d weights (%.0f MB) into one buffer in step order", len(params), total / 1e6)
     return total
+
+
+def arena_of(tensors: Sequence[torch.Tensor]) -> tuple[torch.Tensor, list[int]] | None:
+    """The buffer (1-D uint8) an arranged model's weights were moved into that holds all of `tensors`, and each one's
+    byte offset in it; None where they do not all lie whole in one."""
+    for arena in _ARRANGED.values():
+        if arena is None:
+            continue
+        start, end = arena.data_ptr(), arena.data_ptr() + arena.numel()
+        if all(t.device.type == "cpu" and start <= t.data_ptr() and t.data_ptr() + t.nbytes <= end for t in tensors):
+            return arena, [t.data_ptr() - start for t in tensors]
+    return None

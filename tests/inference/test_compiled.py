@@ -4,13 +4,15 @@ no new graph once warm, whatever the context length or the tree size; with fixed
 same, with one graph per size bucket. One compiled target for the module:
 compiling costs seconds per graph even for a tiny model."""
 
+import copy
+
 import pytest
 import torch
 from torch._dynamo.utils import counters
 
 from eyas.inference import SpeculativeGenerator, TreeOptions
 from eyas.inference.bench import plain_decode
-from eyas.models import cpu_kernels, row_gemv
+from eyas.models import cpu_kernels, row_gemv, weight_arena
 from eyas.models import target as target_module
 from eyas.models.masks import after_history
 from eyas.models.sampling import Sampling
@@ -219,16 +221,24 @@ def test_compiled_step_runs_no_aten_products(pair):
     assert not ran & {"aten::mm", "aten::addmm", "aten::linear", "aten::matmul"}, sorted(ran)
 
 
+ROW_KERNEL = {"eyas::row_gemv", "eyas::row_gemv_at"}  # eyas's row kernel, its weights as tensors or in their buffer
+
+
 @pytest.mark.skipif(not row_gemv.available(), reason="eyas::row_gemv needs an x86 CPU with AVX2")
 @pytest.mark.parametrize("dtype", row_gemv.DTYPES)
-def test_compiled_step_runs_one_row_products_through_eyas_kernel(dtype):
+def test_compiled_step_runs_one_row_products_through_eyas_kernel(dtype, monkeypatch):
     """On an x86 CPU with AVX2 or better a compiled plain step's products run eyas's one-row kernel (the inductor
     pass in row_gemv.py reaches the compile), and the step computes what the eager one does up to the dtype's
-    rounding."""
+    rounding. Where the model's weights lie in one buffer (a CPU Target's, weight_arena.py) every product takes them
+    as offsets into it (eyas::row_gemv_at); a copy of the model whose buffer the pass is not shown takes them as
+    tensors (eyas::row_gemv), and computes the same logits bit for bit."""
     eager = tiny_target("llama", vocab_size=VOCAB, dtype=dtype)
     compiled = Target(eager.model, eager.tokenizer, eager.name_or_path, compile=True)
+    scattered = Target(copy.deepcopy(eager.model), eager.tokenizer, eager.name_or_path, compile=True)
     steps = []
-    for target in (eager, compiled):
+    for target in (eager, compiled, scattered):
+        if target is scattered:  # its graphs compile at its first step
+            monkeypatch.setattr(weight_arena, "arena_of", lambda tensors: None)
         cache = target.new_cache(1, 32)
         target(torch.tensor([PROMPT]), cache=cache, logits=False)
         cache.commit([len(PROMPT)])
@@ -238,10 +248,13 @@ def test_compiled_step_runs_one_row_products_through_eyas_kernel(dtype):
             target(torch.tensor([[11]]), cache=cache)
         cache.rollback()
         steps.append((out.logits.float(), {event.key for event in prof.key_averages()}))
-    (want, _), (got, ran) = steps
-    assert "eyas::row_gemv" in ran and not ran & {"aten::mm", "aten::addmm", "aten::linear"}, sorted(ran)
+    (want, _), (got, ran), (also, ran_scattered) = steps
+    assert not (ran | ran_scattered) & {"aten::mm", "aten::addmm", "aten::linear"}, sorted(ran | ran_scattered)
+    assert ran & ROW_KERNEL == {"eyas::row_gemv_at"}, sorted(ran)
+    assert ran_scattered & ROW_KERNEL == {"eyas::row_gemv"}, sorted(ran_scattered)
     eps = 2 ** -5 if dtype == torch.bfloat16 else 1e-4
     torch.testing.assert_close(got, want, rtol=eps, atol=eps * float(want.abs().max()))
+    assert torch.equal(got, also)
 
 
 @pytest.mark.skipif(not row_gemv.available(), reason="eyas::row_gemv needs an x86 CPU with AVX2")
@@ -257,7 +270,7 @@ def test_compiled_step_calls_eyas_kernels_as_c_functions():
     cache.commit([len(PROMPT)])
     with torch._inductor.config.patch(fx_graph_cache=False):  # the code of a compile, not of a cached graph
         _, code = run_and_get_cpp_code(compiled, torch.tensor([[11]]), cache=cache, logits=False)
-    assert "aoti_torch_cpu_row_gemv(" in code and 'findSchemaOrThrow("eyas::row_gemv"' not in code, code[-3000:]
+    assert "aoti_torch_cpu_row_gemv_at(" in code and 'findSchemaOrThrow("eyas::row_gemv' not in code, code[-3000:]
 
 
 def _prefilled(*targets: Target) -> dict:
@@ -296,7 +309,7 @@ def test_compiled_bf16_verifies_run_the_row_kernel_without_bf16_units(monkeypatc
                 target(ids, pos, caches[target], allowed)
             caches[target].rollback()
         ran = {event.key for event in prof.key_averages()}
-        assert "eyas::row_gemv" in ran and not ran & {"aten::mm", "aten::addmm", "aten::linear"}, (k, sorted(ran))
+        assert ran & ROW_KERNEL and not ran & {"aten::mm", "aten::addmm", "aten::linear"}, (k, sorted(ran))
         want, got = logits
         torch.testing.assert_close(got, want, rtol=2 ** -5, atol=2 ** -5 * float(want.abs().max()))
 

@@ -132,6 +132,35 @@ def test_a_build_lock_left_by_a_killed_build_does_not_hang_the_next_start(tmp_pa
 
 
 @needs_kernel
+@pytest.mark.parametrize("dtype", row_gemv.DTYPES)
+@pytest.mark.parametrize("inputs", [1, 3, row_gemv.MAX_ROWS + 1])
+def test_row_gemv_at_reads_each_weight_where_it_lies_in_the_buffer(dtype, inputs):
+    """Weights given as byte offsets into one buffer (as a model's weights lie in weight_arena's) give the products of
+    the same weights given as tensors, bit for bit, whatever lies between them and in whichever order they lie."""
+    gen = torch.Generator().manual_seed(inputs)
+    k, rows = 40, (7, 192, 33)
+    weights = [torch.randn(n, k, generator=gen).to(dtype) for n in rows]
+    arena = torch.randint(0, 256, (100_000,), dtype=torch.uint8, generator=gen)  # noise around the weights
+    offsets = [70_000, 448, 40_064]  # out of order, apart, not all on cache lines
+    for w, at in zip(weights, offsets):
+        arena[at:at + w.nbytes].view(dtype).copy_(w.flatten())
+    x = torch.randn(1, inputs, k, generator=gen).to(dtype)
+    assert torch.equal(row_gemv.row_gemv_at(x, arena, offsets, rows), row_gemv.row_gemv(x, weights))
+    assert torch.equal(row_gemv.row_gemv_at(x, arena, offsets[1:2], rows[1:2]), row_gemv.row_gemv(x, weights[1:2]))
+
+
+@needs_kernel
+def test_row_gemv_at_rejects_weights_outside_the_buffer():
+    x, arena = torch.randn(1, 64).bfloat16(), torch.zeros(4096, dtype=torch.uint8)
+    with pytest.raises(RuntimeError, match="does not lie in the arena"):
+        row_gemv.row_gemv_at(x, arena, [4096 - 64], [8])
+    with pytest.raises(RuntimeError, match="one offset and one row count per weight"):
+        row_gemv.row_gemv_at(x, arena, [0, 128], [1])
+    with pytest.raises(RuntimeError, match="1-D uint8"):
+        row_gemv.row_gemv_at(x, arena.view(torch.bfloat16), [0], [1])
+
+
+@needs_kernel
 def test_row_gemv_rejects_what_it_cannot_compute():
     x = torch.randn(2, 64).bfloat16()
     with pytest.raises(RuntimeError, match="at least one row"):
