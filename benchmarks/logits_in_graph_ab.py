@@ -12,21 +12,13 @@ ratio of the held-back forward to eyas's (above 1: computing the logits in the g
 """
 from __future__ import annotations
 
-import argparse
-
-from step_ab import alternate, forwards, report  # beside this script
+from step_ab import alternate, forwards, parser, report  # beside this script
 
 from eyas.models import Target
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--target", default="smollm2-135m")
-    p.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"])
-    p.add_argument("--tokens", type=int, default=1, help="tokens a forward takes (1: a plain step, more: a verify)")
-    p.add_argument("--rounds", type=int, default=400, help="alternating pairs of forwards timed")
-    p.add_argument("--context", type=int, default=200, help="tokens already in the cache")
-    args = p.parse_args(argv)
+    args = parser(__doc__).parse_args(argv)
 
     eager = Target.load(args.target, dtype=args.dtype, device="cpu")
     eyas = Target(eager.model, eager.tokenizer, eager.name_or_path, compile=True)

@@ -2,6 +2,7 @@
 weight_layout_ab.py, compile_options_ab.py, kernel_rows_ab.py, logits_in_graph_ab.py)."""
 from __future__ import annotations
 
+import argparse
 import statistics
 import time
 from typing import Callable
@@ -10,6 +11,17 @@ import torch
 
 from eyas.models import Target
 from eyas.models.masks import after_history, causal
+
+
+def parser(doc: str) -> argparse.ArgumentParser:
+    """The arguments of an A/B of two compiled Targets' forwards: --target, --dtype, --tokens, --rounds, --context."""
+    p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--target", default="smollm2-135m")
+    p.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"])
+    p.add_argument("--tokens", type=int, default=1, help="tokens a forward takes (1: a plain step, more: a verify)")
+    p.add_argument("--rounds", type=int, default=400, help="alternating pairs of forwards timed")
+    p.add_argument("--context", type=int, default=200, help="tokens already in the cache")
+    return p
 
 
 def forwards(targets: dict[str, Target], context: int, tokens: int = 1) -> dict[str, Callable[[], torch.Tensor]]:
