@@ -16,6 +16,7 @@ once), `available()` is False and every product and attention runs torch's kerne
 
 from __future__ import annotations
 
+import copyreg
 import ctypes
 import fcntl
 import functools
@@ -130,7 +131,23 @@ C_SHIMS = {
 
 def c_shims() -> dict:
     """inductor's `aot_inductor.custom_ops_to_c_shims` for eyas's ops; empty where the kernel is not `available()`."""
-    return {getattr(torch.ops.eyas, op).default: [shim] for op, shim in C_SHIMS.items()} if available() else {}
+    if not available():
+        return {}
+    # inductor's cache of compiled graphs keys each graph by its settings, pickled; an op overload (this setting's keys)
+    # does not pickle, which made every compiled step bypass the cache and compile anew in each process (~35 s a kind
+    # of step for SmolLM2-135M). Pickled by name, a process compiles a step once per machine.
+    copyreg.pickle(torch._ops.OpOverload, _pickle_overload)
+    return {getattr(torch.ops.eyas, op).default: [shim] for op, shim in C_SHIMS.items()}
+
+
+def _pickle_overload(op: torch._ops.OpOverload) -> tuple:
+    return _overload, (op._schema.name, op._overloadname)
+
+
+def _overload(name: str, overload: str) -> torch._ops.OpOverload:
+    """The op overload `overload` ("" for the default) of op `name` ("namespace::op")."""
+    namespace, op = name.split("::")
+    return getattr(getattr(getattr(torch.ops, namespace), op), overload or "default")
 
 
 def _row_gemv_shape(x: torch.Tensor, weights: Sequence[torch.Tensor]) -> torch.Tensor:
@@ -296,12 +313,14 @@ def _arena_node(graph: fx.Graph, arena: torch.Tensor, nodes: dict[int, fx.Node],
     """The graph's node reading `arena`, as an attribute of the graph's module (one per arena)."""
     if id(arena) not in nodes:
         name = f"_eyas_weights_{len(nodes)}"
-        graph.owning_module.register_buffer(name, arena, persistent=False)
+        # a plain attribute, as freezing holds its constants: a buffer's name would enter a set, whose order varies by
+        # process, and give the graph another cache key in about every other process
+        setattr(graph.owning_module, name, arena)
         # inductor's mark of a frozen weight: its cache of compiled graphs takes such a constant from the module it
         # compiles, by name, rather than storing a copy of it (the whole model's weights) with each graph
         arena._is_frozen_param = True
         with graph.inserting_before(next(iter(graph.nodes))):
-            node = graph.get_attr(name)
+            node = graph.create_node("get_attr", name)
         node.meta["val"] = fake_mode.from_tensor(arena, static_shapes=True)
         nodes[id(arena)] = node
     return nodes[id(arena)]

@@ -134,7 +134,8 @@ class Target(nn.Module):
         runs the fastest of inductor's GEMM templates and aten's for its shape, or on CPU a one-row product (bf16
         or fp32) eyas's own kernel (`models/row_gemv.py`, on x86 CPUs with AVX2 or better). A kind of step
         compiles at its first call and once more when a size first changes (it is dynamic from then on: context
-        length, tree size, rows), about a minute each for SmolLM2-135M on 2 CPU cores. Prefills and the
+        length, tree size, rows), about 35-60 s each for SmolLM2-135M on 2 CPU cores; a later process takes the
+        compiled graphs from inductor's cache on disk (~15 s each: the trace and the rewrites). Prefills and the
         verify-mode check stay eager.
         The graphs assume the model's modules and the libraries' globals stay as they were traced (eyas swaps parts
         only inside its eager calls; the weights are frozen into the graphs): a step checks its inputs, the

@@ -5,6 +5,10 @@ same, with one graph per size bucket. One compiled target for the module:
 compiling costs seconds per graph even for a tiny model."""
 
 import copy
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -271,6 +275,39 @@ def test_compiled_step_calls_eyas_kernels_as_c_functions():
     with torch._inductor.config.patch(fx_graph_cache=False):  # the code of a compile, not of a cached graph
         _, code = run_and_get_cpp_code(compiled, torch.tensor([[11]]), cache=cache, logits=False)
     assert "aoti_torch_cpu_row_gemv_at(" in code and 'findSchemaOrThrow("eyas::row_gemv' not in code, code[-3000:]
+
+
+_CACHED_STEP = """
+import sys, torch
+from torch._dynamo.utils import counters
+from eyas.models.target import Target
+from tests.helpers.tiny import tiny_target
+eager = tiny_target("llama", vocab_size=16, seed=int(sys.argv[1]))
+logits = []
+for target in (eager, Target(eager.model, eager.tokenizer, eager.name_or_path, compile=True)):
+    cache = target.new_cache(1, 32)
+    target(torch.tensor([[1, 2, 3, 4, 5]]), cache=cache, logits=False)
+    cache.commit([5])
+    logits.append(target(torch.tensor([[11]]), cache=cache).logits)
+torch.testing.assert_close(logits[1], logits[0], rtol=1e-4, atol=1e-4)
+print("cache", counters["inductor"]["fxgraph_cache_hit"], counters["inductor"]["fxgraph_cache_miss"])
+"""
+
+
+def test_a_later_process_takes_compiled_steps_from_inductors_cache(tmp_path):
+    """A compiled step's graph is stored in inductor's cache of compiled graphs (its settings pickle, eyas's op
+    overloads among them) and a later process takes it from there instead of compiling it anew (~35 s a kind of step
+    for SmolLM2-135M); the graph it takes computes that process's eager logits, reading the weights' buffer of that
+    process's model, which the stored graph names rather than holds."""
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path)}
+    counts = []
+    for _ in range(2):
+        run = subprocess.run([sys.executable, "-c", _CACHED_STEP, "0"], capture_output=True, text=True,
+                             env=env, timeout=600, cwd=Path(__file__).parents[2])
+        assert run.returncode == 0, run.stderr[-3000:]
+        counts.append([int(n) for n in run.stdout.split("cache")[-1].split()])
+    (first_hits, first_misses), (hits, misses) = counts
+    assert first_hits == 0 and first_misses > 0 and hits > 0 and misses == 0, counts
 
 
 def _prefilled(*targets: Target) -> dict:
