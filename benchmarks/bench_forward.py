@@ -18,7 +18,9 @@ same threads (`eyas.inference.memory_limit.ReadRate`: the fastest of a few strea
 than the caches). The rate moves on a shared host, and the steps with it: it is read before and after every block of
 5 rounds, each block's share of its limit is taken at the higher of the two reads beside it, and the table gives the
 median share over the blocks (the limit line: the upper median of all the reads, and their range); where the reads
-fell at more than one level, the last variant's median share at each level is printed as well. `--profile` adds
+fell at more than one level, the last variant's median share at each level is printed as well. A round runs each
+variant --burst times back to back (1 by default: the variants alternate every forward, so each one starts on the
+caches the others left, colder than a decoding loop's next step finds them). `--profile` adds
 the top ops of each variant's one-token step (torch.profiler, self CPU time). `--pieces` splits the compiled
 variant's forward, per k, into the compiled call (the decoder, and the logits where the lm_head alone gives them),
 the inductor graph inside it (the rest of the call is torch.compile's frame entry, guard check and wrappers), the
@@ -54,7 +56,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--dtype", nargs="+", default=["fp32", "bf16"], help="target dtypes, one table each")
     p.add_argument("--context", type=int, default=200, help="tokens already in the cache")
     p.add_argument("--ks", type=int, nargs="+", default=list(KS), help="new tokens per forward (1: a plain step)")
-    p.add_argument("--repeats", type=int, default=20, help="timings per (variant, k); the median is kept")
+    p.add_argument("--repeats", type=int, default=20, help="rounds per k; the median of a variant's timings is kept")
+    p.add_argument("--burst", type=int, default=1,
+                   help="forwards of a variant back to back in a round, each timed (1: the variants alternate every "
+                        "forward, which leaves each one the caches the others' code and weights left; more: each runs "
+                        "after itself, as a decoding loop runs its steps)")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--no-compile", action="store_true", help="leave out the compiled variant")
     p.add_argument("--fixed", action="store_true", help="add the compiled variant with fixed shapes")
@@ -133,9 +139,10 @@ def measure(args, dtype: str) -> None:
             block = {name: [] for name in variants}
             for _ in range(min(BLOCK, args.repeats - start)):
                 for name, fn in variants.items():
-                    t0 = time.perf_counter()
-                    fn()
-                    block[name].append(time.perf_counter() - t0)
+                    for _ in range(args.burst):
+                        t0 = time.perf_counter()
+                        fn()
+                        block[name].append(time.perf_counter() - t0)
             after = reads.sample()
             rates.append(max(before, after))
             last.append(statistics.median(block[shown]))
@@ -159,7 +166,8 @@ def measure(args, dtype: str) -> None:
     limit = 1 / memory.tokens_per_s
     names = list(rows[0][1])
     print(f"\n{dtype}: {args.target}, context {args.context}, {torch.get_num_threads()} threads, median of "
-          f"{args.repeats}; memory limit {1e3 * limit:.1f} ms per forward ({1 / limit:.1f} tok/s at one token): "
+          f"{args.repeats} rounds of {args.burst}; memory limit {1e3 * limit:.1f} ms per forward "
+          f"({1 / limit:.1f} tok/s at one token): "
           f"{memory.bytes / 1e6:.0f} MB at {memory.bandwidth / 1e9:.1f} GB/s, the upper median of {memory.samples} "
           f"reads ({memory.low / 1e9:.1f}-{memory.high / 1e9:.1f}, {memory.kernel})")
     print(f"% limit: per block of {BLOCK} rounds, the limit at the rate read beside it over the block's median time; "
