@@ -254,12 +254,12 @@ struct alignas(64) Share {
 constexpr int64_t kClaimBytes = 1 << 16;
 
 // y[m][r] = dot(row r of the weights one after another, x[m]) for every row r of them and each of the M input rows;
-// T the element type, Out y's. Each weight row is read from memory once, for the first block of input rows; the
+// T the element type (data[i]: weight i's first element), Out y's. Each weight row is read from memory once, for the first block of input rows; the
 // others take it from the cache (kStreams rows of K, a few KB), so a verify of a few tokens reads the weights once as
 // a step does, and its FMAs load each weight vector once per block of rows. Which thread computes a row does not
 // change its sums.
 template <typename T, typename Out>
-void products(const T* x, int64_t M, const std::vector<const T*>& data, const std::vector<int64_t>& first_row,
+void products(const T* x, int64_t M, const std::vector<const void*>& data, const std::vector<int64_t>& first_row,
               int64_t K, Out* y) {
   const int64_t N = first_row.back();
   const int64_t grain = std::max<int64_t>(1, kChunkBytes / (K * int64_t(sizeof(T))));
@@ -283,7 +283,7 @@ void products(const T* x, int64_t M, const std::vector<const T*>& data, const st
       for (; n < kStreams && sh.begin + n * sh.run + j < sh.end; ++n) {
         at[n] = sh.begin + n * sh.run + j;
         while (at[n] >= first_row[weight[n] + 1]) ++weight[n];
-        rows[n] = data[weight[n]] + (at[n] - first_row[weight[n]]) * K;
+        rows[n] = static_cast<const T*>(data[weight[n]]) + (at[n] - first_row[weight[n]]) * K;
       }
       float out[Dot<T>::block * kStreams];
       for (int64_t m = 0, pass = 0; m < M; ++pass) {
@@ -340,16 +340,11 @@ at::Tensor gemv(const at::Tensor& x, const std::vector<const void*>& data, const
   sizes.back() = first_row.back();
   at::Tensor y = at::empty(sizes, x.options());
   const at::Tensor xc = x.contiguous();
-  if (x.scalar_type() == at::kFloat) {
-    std::vector<const float*> rows(data.size());
-    for (size_t i = 0; i < data.size(); ++i) rows[i] = static_cast<const float*>(data[i]);
-    products(xc.data_ptr<float>(), xc.numel() / K, rows, first_row, K, y.data_ptr<float>());
-  } else {
-    std::vector<const uint16_t*> rows(data.size());
-    for (size_t i = 0; i < data.size(); ++i) rows[i] = static_cast<const uint16_t*>(data[i]);
-    products(reinterpret_cast<const uint16_t*>(xc.data_ptr()), xc.numel() / K, rows, first_row, K,
+  if (x.scalar_type() == at::kFloat)
+    products(xc.data_ptr<float>(), xc.numel() / K, data, first_row, K, y.data_ptr<float>());
+  else
+    products(reinterpret_cast<const uint16_t*>(xc.data_ptr()), xc.numel() / K, data, first_row, K,
              y.data_ptr<at::BFloat16>());
-  }
   return y;
 }
 
