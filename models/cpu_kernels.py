@@ -352,13 +352,25 @@ def _unrepeated(node: object) -> fx.Node | None:
     expand = clone.args[0]
     if not (isinstance(expand, fx.Node) and expand.target is _EXPAND):
         return None
-    unsqueeze = expand.args[0]
+    unsqueeze = _whole(expand.args[0])
     if not (isinstance(unsqueeze, fx.Node) and unsqueeze.target is _UNSQUEEZE and unsqueeze.args[1] in (2, -3)):
         return None
     heads, repeated, out = (n.meta["val"].shape for n in (unsqueeze.args[0], expand, view))
     same = [heads[0] == repeated[0], heads[1] == repeated[1], heads[2] == repeated[3], heads[3] == repeated[4],
             out[0] == heads[0], out[1] == heads[1] * repeated[2], out[2] == heads[2], out[3] == heads[3]]
     return unsqueeze.args[0] if all(statically_known_true(x) for x in same) else None
+
+
+def _whole(node: object) -> object:
+    """The tensor under slices that keep all of it: `x[:, :, None, :, :]` (repeat_kv's unsqueeze) traces with a
+    dynamic sequence length as an unsqueeze between slices of whole dimensions, which a fixed length drops. A slice
+    as long as its dimension is the whole of it."""
+    while isinstance(node, fx.Node) and node.target is _SLICE and isinstance(node.args[0], fx.Node):
+        whole, part = node.args[0].meta["val"].shape, node.meta["val"].shape
+        if len(whole) != len(part) or not all(statically_known_true(a == b) for a, b in zip(whole, part)):
+            break
+        node = node.args[0]
+    return node
 
 
 def _in_fp32(graph: fx.Graph, node: fx.Node, dtype: torch.dtype) -> bool:
@@ -389,8 +401,8 @@ def _in_fp32(graph: fx.Graph, node: fx.Node, dtype: torch.dtype) -> bool:
 
 
 _FLASH_CPU = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
-_CLONE, _EXPAND, _UNSQUEEZE = (torch.ops.aten.clone.default, torch.ops.aten.expand.default,
-                               torch.ops.aten.unsqueeze.default)
+_CLONE, _EXPAND, _UNSQUEEZE, _SLICE = (torch.ops.aten.clone.default, torch.ops.aten.expand.default,
+                                       torch.ops.aten.unsqueeze.default, torch.ops.aten.slice.Tensor)
 _CONVERT = torch.ops.prims.convert_element_type.default
 
 

@@ -310,11 +310,11 @@ def test_a_later_process_takes_compiled_steps_from_inductors_cache(tmp_path):
     assert first_hits == 0 and first_misses > 0 and hits > 0 and misses == 0, counts
 
 
-def _prefilled(*targets: Target) -> dict:
-    """Per target, a cache holding PROMPT."""
+def _prefilled(*targets: Target, capacity: int = 32) -> dict:
+    """Per target, a cache of `capacity` tokens holding PROMPT."""
     caches = {}
     for target in targets:
-        caches[target] = target.new_cache(1, 32)
+        caches[target] = target.new_cache(1, capacity)
         target(torch.tensor([PROMPT]), cache=caches[target], logits=False)
         caches[target].commit([len(PROMPT)])
     return caches
@@ -373,3 +373,31 @@ def test_compiled_verifies_of_any_size_attend_through_eyas_kernel_up_to_its_rows
             ran = {event.key for event in prof.key_averages()}
             assert "eyas::attend" in ran and (flash in ran) == (k > most), (k, sorted(ran))
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.skipif(not row_gemv.available(), reason="eyas::attend needs an x86 CPU with AVX2")
+def test_compiled_verifies_of_any_size_attend_over_the_caches_own_key_value_heads(monkeypatch):
+    """A GQA model repeats each key/value head per query head before its attention; eyas's kernel takes the heads
+    unrepeated (no copy of the cache in every layer) in the graph of any size too, compiled here for a new cache of
+    another capacity (as each new generation's cache is): the cache's length is known only at run time there, and
+    the repeat traces with slices of whole dimensions. Its logits are the eager verify's."""
+    graphs = []
+    rewrite = cpu_kernels.rewrite_attention
+
+    def kept(graph):
+        graphs.append(graph)
+        return rewrite(graph)
+
+    monkeypatch.setattr(cpu_kernels, "rewrite_attention", kept)
+    eager = tiny_target("llama", vocab_size=VOCAB, seed=4)  # weights of its own: its own graphs
+    compiled = Target(eager.model, eager.tokenizer, eager.name_or_path, compile=True)
+    kv_heads = eager.model.config.num_key_value_heads
+    assert kv_heads < eager.model.config.num_attention_heads
+    with torch._inductor.config.patch(fx_graph_cache=False):  # compiled here, not taken from another test's cache
+        for k in (2, 3):  # the second: the size changed, the graph of any size compiles
+            caches = _prefilled(eager, compiled, capacity=len(PROMPT) + k + 8)
+            ids, pos, allowed = _chain(k)
+            want, got = (target(ids, pos, caches[target], allowed).logits for target in (eager, compiled))
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    attends = [n for n in graphs[-1].nodes if n.target is torch.ops.eyas.attend.default]
+    assert attends and all(a.meta["val"].shape[1] == kv_heads for n in attends for a in n.args[1:3])
