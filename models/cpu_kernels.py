@@ -15,7 +15,7 @@ products are slower (`row_kernel_takes`, `kernel_rows`); past them a oneDNN-prep
 AMX multiplies even a few bf16 rows with its tiles.
 Attention over bf16 runs in fp32 where the CPU has no bf16 units (`attends_in_fp32`): torch's bf16 attention
 emulates bf16 products there, several times slower than fp32. A compiled step's attention of a few query rows runs
-eyas's attention kernel (`attention_kernel_takes`, `rewrite_attention`).
+eyas's attention kernel (`attention_kernel_takes`, up to `attention_rows`; `rewrite_attention`).
 All take effect only for the duration of a Target forward and only where they apply (CPU, fp32 or bf16 for the
 linears, the model's attention going through transformers' "sdpa" entry); anywhere else the
 model's own code runs, so every target still works unmodified. The model's configuration is never
@@ -266,24 +266,31 @@ def attends_in_fp32(dtype: torch.dtype) -> bool:
     return dtype == torch.bfloat16 and native_bf16() is None
 
 
+def attention_rows() -> int:
+    """The most query rows eyas's attention kernel (`row_gemv.attend`) is the faster attention of on this CPU, within
+    a compiled verify, against torch's flash attention, whose blocked products gain on it as rows grow
+    (`benchmarks/kernel_rows_ab.py --hold attention` times the two, SmolLM2-135M over 200 cached tokens):
+    - AVX512-BF16 without AMX: 16 (2-core Zen 4 EPYC, verifies with the kernel against torch's past 4 rows, per-round
+      ratios: bf16 8 tokens 1.098, 16 tokens 1.085 (1.164 over 1000 cached tokens), 32 tokens 1.008; fp32 8 tokens
+      1.057, 16 tokens 1.056). torch's bf16 attention there runs oneDNN's AVX512-BF16 products in small per-head
+      blocks, which a few rows do not fill.
+    - elsewhere: 4 (a plain step's row, a small verify's few). On an Ice Lake Xeon (no bf16 units) torch's kernel alone
+      was the faster at 16 rows (130.5 against 159.5 us); with AMX its tiles multiply blocks of rows far faster."""
+    return 16 if native_bf16() == "AVX512-BF16" else 4
+
+
 def attention_kernel_takes(dtype: torch.dtype, rows: int | None, head_dim: int) -> bool:
     """Whether eyas's attention kernel (`row_gemv.attend`, where it is built) is the attention of `rows` query rows of
-    `head_dim` over `dtype` (fp32 or bf16) keys on this CPU: up to ATTENTION_ROWS rows (a plain step's one, a small
-    verify's few), past which torch's blocked flash attention wins; `rows` None (a graph whose row count varies): the
-    kernel, which hands a call of more rows to torch's attention as it comes. bf16 on every CPU: the kernel reads bf16
-    keys and values in place and computes in fp32, where torch's flash attention at a few rows spends more on its
-    per-head blocks than on the reads, bf16 units or not. 9 query heads over 3 key/value heads of 64, 200 cached
-    tokens, cold (benchmarks/attention.py): an Ice Lake Xeon (no bf16 units), one row 23.6 against flash attention's
-    52.7 us in fp32 and 24.5 against 132.5 in bf16; a Zen 4 EPYC (AVX512-BF16), one row 34.1 against 166.7 us in bf16
-    and 26.9 against 45.1 in fp32, four rows 53.3 against 94.9 in bf16; sixteen rows on the Ice Lake 159.5 against
-    130.5. Within a compiled verify of 8 tokens on the Zen 4 EPYC the two are even (`benchmarks/kernel_rows_ab.py
-    --hold attention --tokens 8 --any-size` with the kernel taking 8 rows: 17.68 against 17.68 ms), though alone it
-    is the faster at 8 rows there, so the bound stays 4 on every CPU (docs/design/cpu-kernels.md)."""
+    `head_dim` over `dtype` (fp32 or bf16) keys on this CPU: up to `attention_rows()` rows; `rows` None (a graph whose
+    row count varies): the kernel, which hands a call of more rows to torch's attention as it comes. bf16 on every
+    CPU: the kernel reads bf16 keys and values in place and computes in fp32, where torch's flash attention at a few
+    rows spends more on its per-head blocks than on the reads, bf16 units or not. 9 query heads over 3 key/value heads
+    of 64, 200 cached tokens, cold (benchmarks/attention.py): an Ice Lake Xeon (no bf16 units), one row 23.6 against
+    flash attention's 52.7 us in fp32 and 24.5 against 132.5 in bf16; a Zen 4 EPYC (AVX512-BF16), one row 34.1
+    against 166.7 us in bf16 and 26.9 against 45.1 in fp32, four rows 53.3 against 94.9 in bf16
+    (docs/design/cpu-kernels.md)."""
     return (row_gemv.attend_takes(head_dim) and dtype in row_gemv.DTYPES
-            and (rows is None or 1 <= rows <= ATTENTION_ROWS))
-
-
-ATTENTION_ROWS = 4
+            and (rows is None or 1 <= rows <= attention_rows()))
 
 
 def rewrite_attention(graph: fx.Graph) -> int:
@@ -328,9 +335,9 @@ def _through_attention_kernel(graph: fx.Graph, node: fx.Node, vals: list[torch.T
     heads = _unrepeated(k), _unrepeated(v)
     if all(heads) and statically_known_true(heads[0].meta["val"].shape[1] == heads[1].meta["val"].shape[1]):
         (k, v), vals = heads, [q, heads[0].meta["val"], heads[1].meta["val"]]
-    out = graph.call_function(torch.ops.eyas.attend.default, (node.args[0], k, v, mask, scale, ATTENTION_ROWS))
-    out.meta["val"] = row_gemv.attend(*vals, mask.meta["val"] if isinstance(mask, fx.Node) else None, scale,
-                                      ATTENTION_ROWS)
+    most = attention_rows()
+    out = graph.call_function(torch.ops.eyas.attend.default, (node.args[0], k, v, mask, scale, most))
+    out.meta["val"] = row_gemv.attend(*vals, mask.meta["val"] if isinstance(mask, fx.Node) else None, scale, most)
     for user in list(node.users):  # the output, and the log-sum-exp nothing reads
         if user.args[1] == 0:
             user.replace_all_uses_with(out)

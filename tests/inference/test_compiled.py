@@ -324,7 +324,7 @@ def _chain(k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """A verify of a chain of k tokens after PROMPT: ids, positions and the tree mask."""
     n = len(PROMPT)
     allowed = after_history(torch.tensor([n]), torch.ones(1, k, k, dtype=torch.bool).tril(), n + k)
-    return torch.arange(1, k + 1)[None], torch.arange(n, n + k)[None], allowed
+    return (torch.arange(k) % (VOCAB - 1) + 1)[None], torch.arange(n, n + k)[None], allowed
 
 
 @pytest.mark.skipif(not row_gemv.available(), reason="eyas::row_gemv needs an x86 CPU with AVX2")
@@ -354,9 +354,9 @@ def test_compiled_bf16_verifies_run_the_row_kernel_without_bf16_units(monkeypatc
 @pytest.mark.skipif(not row_gemv.available(), reason="eyas::attend needs an x86 CPU with AVX2")
 def test_compiled_verifies_of_any_size_attend_through_eyas_kernel_up_to_its_rows():
     """The graph a verify runs once its tree size has changed takes any size: its attention is eyas's kernel, which
-    hands the calls of more query rows than ATTENTION_ROWS to torch's flash attention as they come; the logits are the
-    eager verify's."""
-    most = cpu_kernels.ATTENTION_ROWS
+    hands the calls of more query rows than `attention_rows()` to torch's flash attention as they come; the logits are
+    the eager verify's."""
+    most = cpu_kernels.attention_rows()
     eager = tiny_target("llama", vocab_size=VOCAB, seed=3)  # weights of its own: its own graphs
     compiled = Target(eager.model, eager.tokenizer, eager.name_or_path, compile=True)
     caches = _prefilled(eager, compiled)
