@@ -32,14 +32,13 @@ def main(argv: list[str] | None = None) -> None:
                          num_key_value_heads=1, head_dim=64, vocab_size=512, tie_word_embeddings=True)
     model = LlamaForCausalLM(config).to(torch.bfloat16).eval()
     step = forwards({"tiny": Target(model, None, "tiny", compile=True)}, args.context)["tiny"]
-    reads = {mb: torch.ones(mb << 20, dtype=torch.uint8) for mb in args.flush_mb}
-    took: dict[str, list[float]] = {"warm": [], **{f"after {mb} MB read": [] for mb in args.flush_mb}}
+    # per case, what runs before the timed step: the step itself (warm caches) or a read of a buffer
+    before = {"warm": step, **{f"after {mb} MB read": torch.ones(mb << 20, dtype=torch.uint8).sum
+                                for mb in args.flush_mb}}
+    took: dict[str, list[float]] = {case: [] for case in before}
     for _ in range(args.rounds):
-        for case in took:
-            if case == "warm":
-                step()
-            else:
-                reads[int(case.split()[1])].sum()
+        for case, prepare in before.items():
+            prepare()
             t0 = time.perf_counter()
             step()
             took[case].append(time.perf_counter() - t0)

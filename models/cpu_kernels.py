@@ -271,9 +271,9 @@ def attention_rows() -> int:
     a compiled verify, against torch's flash attention, whose blocked products gain on it as rows grow
     (`benchmarks/kernel_rows_ab.py --hold attention` times the two, SmolLM2-135M over 200 cached tokens):
     - AVX512-BF16 without AMX: 16 (2-core Zen 4 EPYC, verifies with the kernel against torch's past 4 rows, per-round
-      ratios: bf16 8 tokens 1.098, 16 tokens 1.085 (1.164 over 1000 cached tokens), 32 tokens 1.008; fp32 8 tokens
-      1.057, 16 tokens 1.056). torch's bf16 attention there runs oneDNN's AVX512-BF16 products in small per-head
-      blocks, which a few rows do not fill.
+      ratios: bf16 8 tokens 1.110, 16 tokens 1.065 (1.183 over 1000 cached tokens), in the graph of any size 1.099
+      and 1.059; fp32 16 tokens 1.060; with the bound raised to 32, 32 tokens 1.008). torch's bf16 attention there
+      runs oneDNN's AVX512-BF16 products in small per-head blocks, which a few rows do not fill.
     - elsewhere: 4 (a plain step's row, a small verify's few). On an Ice Lake Xeon (no bf16 units) torch's kernel alone
       was the faster at 16 rows (130.5 against 159.5 us); with AMX its tiles multiply blocks of rows far faster."""
     return 16 if native_bf16() == "AVX512-BF16" else 4
