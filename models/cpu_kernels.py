@@ -359,7 +359,7 @@ def _unrepeated(node: object) -> fx.Node | None:
     expand = clone.args[0]
     if not (isinstance(expand, fx.Node) and expand.target is _EXPAND):
         return None
-    unsqueeze = _whole(expand.args[0])
+    unsqueeze = _under_whole_slices(expand.args[0])
     if not (isinstance(unsqueeze, fx.Node) and unsqueeze.target is _UNSQUEEZE and unsqueeze.args[1] in (2, -3)):
         return None
     heads, repeated, out = (n.meta["val"].shape for n in (unsqueeze.args[0], expand, view))
@@ -368,7 +368,7 @@ def _unrepeated(node: object) -> fx.Node | None:
     return unsqueeze.args[0] if all(statically_known_true(x) for x in same) else None
 
 
-def _whole(node: object) -> object:
+def _under_whole_slices(node: object) -> object:
     """The tensor under slices that keep all of it: `x[:, :, None, :, :]` (repeat_kv's unsqueeze) traces with a
     dynamic sequence length as an unsqueeze between slices of whole dimensions, which a fixed length drops. A slice
     as long as its dimension is the whole of it."""

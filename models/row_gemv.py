@@ -277,9 +277,9 @@ def rewrite_products(graph: fx.Graph, takes: Callable[[torch.dtype, int | None],
                 y.meta["val"] = row_gemv(x.meta["val"], [w.meta["val"] for w in weights])
             else:
                 arena, offsets = found
-                y = graph.call_function(torch.ops.eyas.row_gemv_at.default,
-                                        (x, _arena_node(graph, arena, arenas, fake_mode), offsets, rows))
-                y.meta["val"] = x.meta["val"].new_empty((*x.meta["val"].shape[:-1], sum(rows)))
+                held_in = _arena_node(graph, arena, arenas, fake_mode)
+                y = graph.call_function(torch.ops.eyas.row_gemv_at.default, (x, held_in, offsets, rows))
+                y.meta["val"] = row_gemv_at(x.meta["val"], held_in.meta["val"], offsets, rows)
             start = 0
             for (node, _, _, bias), n in zip(products, rows):
                 out = graph.call_function(_aten.slice.Tensor, (y, 1, start, start + n))
