@@ -130,6 +130,33 @@ def test_compiled_steps_keep_the_interpreter_state_guards_and_drop_the_library_g
     assert not any(keep and e.is_global for e, keep in seen)
 
 
+def test_compiled_steps_trace_with_inductors_freezing_on_and_leave_it_as_they_found_it(monkeypatch):
+    """Dynamo reads inductor's freezing switch as it traces (the weights become the graph's constants), so a compiled
+    call turns it on for its duration: it is on while a graph compiles, and off again after the call, or still on
+    where the user had it on."""
+    import torch._inductor.config as inductor
+
+    during = []
+    keeps = target_module._frozen_module_guards
+
+    def recording(entries):  # runs as dynamo compiles a graph
+        during.append(inductor.freezing)
+        return keeps(entries)
+
+    monkeypatch.setattr(target_module, "_frozen_module_guards", recording)
+    model = tiny_target("llama", vocab_size=VOCAB, seed=3)
+    compiled = Target(model.model, model.tokenizer, model.name_or_path, compile=True)
+    assert inductor.freezing is False
+    want = _steps(compiled)
+    assert during and all(during)
+    assert inductor.freezing is False
+    with inductor.patch(freezing=True):
+        got = _steps(compiled)
+        assert inductor.freezing is True
+    for w, g in zip(want, got):
+        torch.testing.assert_close(g.logits, w.logits, rtol=0, atol=0)
+
+
 def test_compiled_greedy_is_token_identical_and_compiles_nothing_once_warm(pair):
     eager, compiled, head = pair
 
