@@ -645,6 +645,10 @@ def compile_options(device: torch.device, cuda_graphs: bool = False) -> dict[str
         # no size and stride checks in the graph: of its inputs, dynamo's guards check them already; of its kernels'
         # outputs, each builds a C++ stringstream even when it holds (214 a SmolLM2-135M step, ~0.1 ms)
         settings["size_asserts"] = False
+        # small elementwise kernels (a plain step's SiLU-and-multiply over 1536 values) on one thread: inductor splits
+        # from 512 values a thread, where a parallel region's fork, join and libgomp's two futex calls cost more than
+        # the half of the work they save
+        settings["cpp.min_chunk_size"] = 4096
         # one-row products (a plain step's) through eyas's kernel on x86 CPUs with AVX2 or better, bf16 attention in
         # fp32 on CPUs without bf16 units (step_pass.py)
         settings["joint_custom_pre_pass"] = step_pass()
