@@ -23,9 +23,9 @@ variant --burst times back to back (1 by default: the variants alternate every f
 caches the others left, colder than a decoding loop's next step finds them). `--profile` adds
 the top ops of each variant's one-token step (torch.profiler, self CPU time). `--pieces` splits the compiled
 variant's forward, per k, into the compiled call (the decoder, and the logits where the lm_head alone gives them),
-the inductor graph inside it (the rest of the call is torch.compile's frame entry, guard check and wrappers), the
-logits computed after it (none where the graph computes them), and the Target's own code around them (wall clock,
-medians, no profiler).
+and within it the entry before the inductor graph (torch.compile's frame entry, guard check, AOT's wrapper), the
+graph and the exit after it; the logits computed after the call (none where the graph computes them), and the
+Target's own code around them (wall clock, medians, no profiler).
 """
 
 from __future__ import annotations
@@ -66,7 +66,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--fixed", action="store_true", help="add the compiled variant with fixed shapes")
     p.add_argument("--profile", action="store_true", help="print each variant's top ops for a one-token step")
     p.add_argument("--pieces", action="store_true",
-                   help="split the compiled variant's forward into the compiled call, its graph, logits and the rest")
+                   help="split the compiled variant's forward into the compiled call (its entry, graph and exit), "
+                        "logits and the rest")
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -210,20 +211,21 @@ def read_levels(rates: list[float], gap: float = 1.2) -> list[list[int]]:
 
 def pieces(target, run: Callable[[], object], repeats: int) -> dict[str, float]:
     """Medians (s) of a compiled Target's forward and its parts over `repeats` calls of `run`: the whole forward,
-    the compiled call, the inductor graph inside it (timed at inductor's compiled-graph call), the logits computed
-    after it (0 where the graph computes them), and what is left (the Target's own code). The timers are wrapped
-    around the parts for these calls only."""
+    the compiled call, and within it the entry before the inductor graph (torch.compile's frame entry, guard check,
+    AOT's wrapper), the graph itself (timed at inductor's compiled-graph call: its Python and its C++) and the exit
+    after it; the logits computed after the call (0 where the graph computes them), and what is left (the Target's
+    own code). The timers are wrapped around the parts for these calls only."""
     import statistics
 
     from torch._inductor.output_code import CompiledFxGraph
 
-    took: dict[str, list[float]] = {"forward": [], "compiled call": [], "graph": [], "logits": []}
+    spans: dict[str, list[tuple[float, float]]] = {"forward": [], "compiled call": [], "graph": [], "logits": []}
 
     def timed(name: str, fn: Callable) -> Callable:
         def wrapper(*a, **kw):
             t0 = time.perf_counter()
             out = fn(*a, **kw)
-            took[name].append(time.perf_counter() - t0)
+            spans[name].append((t0, time.perf_counter()))
             return out
         return wrapper
 
@@ -237,10 +239,16 @@ def pieces(target, run: Callable[[], object], repeats: int) -> dict[str, float]:
     finally:
         CompiledFxGraph.__call__ = graph_call
         del vars(target)["_compiled"], target.logits
+    took = {name: [end - start for start, end in v] for name, v in spans.items()}
     m = {name: statistics.median(v) if v else 0.0 for name, v in took.items()}
+    if len(spans["graph"]) == len(spans["compiled call"]):  # one graph a call (several where dynamo broke the graph)
+        m["entry"] = statistics.median(g[0] - c[0] for c, g in zip(spans["compiled call"], spans["graph"]))
+        m["exit"] = statistics.median(c[1] - g[1] for c, g in zip(spans["compiled call"], spans["graph"]))
+    else:
+        m["entry"] = m["exit"] = float("nan")
     m["rest"] = m["forward"] - m["compiled call"] - m["logits"]
-    return m
-
+    order = ["forward", "compiled call", "entry", "graph", "exit", "logits", "rest"]
+    return {name: m[name] for name in order}
 
 if __name__ == "__main__":
     main()
