@@ -250,5 +250,6 @@ def pieces(target, run: Callable[[], object], repeats: int) -> dict[str, float]:
     order = ["forward", "compiled call", "entry", "graph", "exit", "logits", "rest"]
     return {name: m[name] for name in order}
 
+
 if __name__ == "__main__":
     main()
