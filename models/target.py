@@ -20,9 +20,10 @@ import contextlib
 import hashlib
 import json
 import logging
+import threading
 import weakref
 from dataclasses import dataclass
-from typing import Any, Iterator, Sequence
+from typing import Any, Sequence
 
 import torch
 from torch import nn
@@ -179,6 +180,7 @@ class Target(nn.Module):
             # graph traced without them: compiled, hooks that stay capture the inputs of the layers a forward's cache
             # asks for (`_capture`), a graph per set of layers.
             self._captured = _layer_inputs(self._layers)
+            _InStep.handler = torch._dynamo.callback_handler
             # Dynamo's recompile limit counts the graphs of every compiled Target in the process (each kind of step,
             # static then dynamic, per model); past its default of 8 a new kind would silently run eager.
             self._compiled = torch.compile(
@@ -372,7 +374,7 @@ class Target(nn.Module):
         writing = (cache.writing(position_ids, fixed=fixed, keep=t, capture=asked) if cache is not None
                    else contextlib.nullcontext())
         on_cpu = not compiled and self.cpu_kernels and self.device.type == "cpu"
-        settings = _freezing() if compiled else contextlib.nullcontext()
+        settings = _IN_STEP if compiled else contextlib.nullcontext()
         try:
             with writing, settings, cpu_linears([] if compiled else self._linears, b * t), cpu_attention(on_cpu, need):
                 if allowed is not None:
@@ -632,8 +634,8 @@ def compile_options(device: torch.device, cuda_graphs: bool = False) -> dict[str
     GEMM templates (on CPU micro-kernels on AMX / AVX-512 / AVX2, which use the bf16 units where aten's one-row bf16
     product does not) against aten's and keeps the faster, per shape; before freezing, eyas's pass gives the one-row
     products to its own kernel on x86 CPUs with AVX2 or better and bf16 attention to fp32 where the CPU has no bf16
-    units (step_pass.py). Freezing is also read by dynamo as it traces (`_freezing`). cuda_graphs: on a GPU, each
-    graph (of fixed shapes) is captured as a CUDA graph at its first calls and replayed from then on."""
+    units (step_pass.py). Freezing is also read by dynamo as it traces (`_freeze_while_tracing`). cuda_graphs: on a
+    GPU, each graph (of fixed shapes) is captured as a CUDA graph at its first calls and replayed from then on."""
     settings: dict[str, Any] = {
         "freezing": True, "max_autotune": True, "cpp.enable_concat_linear": True,
         # the timings of every choice, printed to stderr for each product shape otherwise
@@ -659,23 +661,57 @@ def compile_options(device: torch.device, cuda_graphs: bool = False) -> dict[str
     return settings
 
 
-@contextlib.contextmanager
-def _freezing() -> Iterator[None]:
-    """Inductor's freezing switch, on around every compiled call: dynamo reads it when it traces a graph (which
-    happens at a call) to hold the weights as constants guarded by their identity, before `torch.compile`'s options
-    reach inductor. The one setting, written directly: `inductor.patch` builds a class per call and marks the
-    config's hash stale (~15 us warm; on the caches a step's weight reads leave, a bf16 SmolLM2-135M step 1-1.5 %
-    slower, fp32 0.5 %)."""
+class _Steps(threading.local):
+    """Per thread: how many compiled Target calls are in progress, and whether a compile they started turned
+    inductor's freezing switch on (`_freeze_while_tracing`)."""
+
+    depth = 0
+    froze = False
+
+
+_STEPS = _Steps()
+
+
+class _InStep:
+    """Marks a compiled Target call in progress on this thread (re-entrant). That is all a call does: inductor's
+    config is Python code (each write marks its hash stale), and switching freezing on and off around every call cost
+    ~1 % of a bf16 SmolLM2-135M step, 0.6 % fp32, on the caches its weight reads leave. The outermost call checks that
+    dynamo still calls `_freeze_while_tracing` (`torch._dynamo.reset()` drops every callback): a list's few items."""
+
+    handler: Any = None  # dynamo's callback handler, set by the first compiled Target (importing dynamo is slow)
+
+    def __enter__(self) -> None:
+        if not _STEPS.depth and _freeze_while_tracing not in self.handler.start_callbacks:
+            self.handler.register_start_callback(_freeze_while_tracing)
+            self.handler.register_end_callback(_thaw)
+        _STEPS.depth += 1
+
+    def __exit__(self, *exc: object) -> None:
+        _STEPS.depth -= 1
+
+
+_IN_STEP = _InStep()
+
+
+def _freeze_while_tracing(_: object) -> None:
+    """Dynamo reads inductor's freezing switch as it traces a graph, to hold the weights as constants guarded by
+    their identity, before `torch.compile`'s options reach inductor: on for the compiles that start inside a
+    Target's compiled call (a first call, a recompile), left alone for every other compile and where it is on
+    already (set by the user)."""
     import torch._inductor.config as inductor
 
-    if inductor.freezing:  # on already (a compiled call inside another, or set by the user)
-        yield
-        return
-    inductor.freezing = True
-    try:
-        yield
-    finally:
+    if _STEPS.depth and not inductor.freezing:
+        inductor.freezing = True
+        _STEPS.froze = True
+
+
+def _thaw(_: object) -> None:
+    """Puts the freezing switch back after a compile `_freeze_while_tracing` turned it on for."""
+    if _STEPS.froze:
+        import torch._inductor.config as inductor
+
         inductor.freezing = False
+        _STEPS.froze = False
 
 
 def _frozen_module_guards(entries: Sequence) -> list[bool]:

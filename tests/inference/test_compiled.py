@@ -131,9 +131,10 @@ def test_compiled_steps_keep_the_interpreter_state_guards_and_drop_the_library_g
 
 
 def test_compiled_steps_trace_with_inductors_freezing_on_and_leave_it_as_they_found_it(monkeypatch):
-    """Dynamo reads inductor's freezing switch as it traces (the weights become the graph's constants), so a compiled
-    call turns it on for its duration: it is on while a graph compiles, and off again after the call, or still on
-    where the user had it on."""
+    """Dynamo reads inductor's freezing switch as it traces (the weights become the graph's constants), so a compile
+    that starts inside a compiled Target call turns it on: on while a step's graph compiles, after
+    `torch._dynamo.reset()` too (which drops dynamo's compile callbacks), off after the call and for a compile of the
+    user's own, and still on where the user had it on."""
     import torch._inductor.config as inductor
 
     during = []
@@ -150,10 +151,26 @@ def test_compiled_steps_trace_with_inductors_freezing_on_and_leave_it_as_they_fo
     want = _steps(compiled)
     assert during and all(during)
     assert inductor.freezing is False
+
+    seen = []
+
+    def backend(gm, example_inputs):  # a compile outside any Target call
+        seen.append(inductor.freezing)
+        return gm.forward
+
+    torch.compile(lambda x: x * 2, backend=backend)(torch.ones(2))
+    assert seen == [False]
+
+    torch._dynamo.reset()
+    during.clear()
+    again = _steps(compiled)
+    assert during and all(during)
+    assert inductor.freezing is False
     with inductor.patch(freezing=True):
         got = _steps(compiled)
         assert inductor.freezing is True
-    for w, g in zip(want, got):
+    for w, a, g in zip(want, again, got):
+        torch.testing.assert_close(a.logits, w.logits, rtol=0, atol=0)
         torch.testing.assert_close(g.logits, w.logits, rtol=0, atol=0)
 
 
