@@ -57,8 +57,18 @@ def launch(kind: str, config, env_extra=None, expect_ok=True, processes=2) -> su
     proc = subprocess.run(cmd, cwd=REPO, env={**os.environ, "WANDB_MODE": "offline", **env, **(env_extra or {})},
                           capture_output=True, text=True, timeout=600)
     if expect_ok:
-        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        assert proc.returncode == 0, _failure(proc)
     return proc
+
+
+def _failure(proc: subprocess.CompletedProcess) -> str:
+    """What a failed launch printed: the end of its output, and its error output from the first traceback on (the
+    rank that failed first; the launcher's report and the other ranks' errors, which come last, name no cause) as
+    well as the end."""
+    err = proc.stderr
+    first = err.find("Traceback")
+    cause = err[first: first + 4000] if first >= 0 else ""
+    return f"{proc.stdout[-2000:]}\n--- first traceback ---\n{cause}\n--- end of error output ---\n{err[-2000:]}"
 
 
 def _metrics(folder):
