@@ -180,7 +180,6 @@ class Target(nn.Module):
             # graph traced without them: compiled, hooks that stay capture the inputs of the layers a forward's cache
             # asks for (`_capture`), a graph per set of layers.
             self._captured = _layer_inputs(self._layers)
-            _InStep.handler = torch._dynamo.callback_handler
             # Dynamo's recompile limit counts the graphs of every compiled Target in the process (each kind of step,
             # static then dynamic, per model); past its default of 8 a new kind would silently run eager.
             self._compiled = torch.compile(
@@ -676,14 +675,14 @@ class _InStep:
     """Marks a compiled Target call in progress on this thread (re-entrant). That is all a call does: inductor's
     config is Python code (each write marks its hash stale), and switching freezing on and off around every call cost
     ~1 % of a bf16 SmolLM2-135M step, 0.6 % fp32, on the caches its weight reads leave. The outermost call checks that
-    dynamo still calls `_freeze_while_tracing` (`torch._dynamo.reset()` drops every callback): a list's few items."""
-
-    handler: Any = None  # dynamo's callback handler, set by the first compiled Target (importing dynamo is slow)
+    dynamo still calls `_freeze_while_tracing` (`torch._dynamo.reset()` drops every callback): a list's few items.
+    Only compiled calls enter it, so dynamo is imported by then."""
 
     def __enter__(self) -> None:
-        if not _STEPS.depth and _freeze_while_tracing not in self.handler.start_callbacks:
-            self.handler.register_start_callback(_freeze_while_tracing)
-            self.handler.register_end_callback(_thaw)
+        handler = torch._dynamo.callback_handler
+        if not _STEPS.depth and _freeze_while_tracing not in handler.start_callbacks:
+            handler.register_start_callback(_freeze_while_tracing)
+            handler.register_end_callback(_thaw)
         _STEPS.depth += 1
 
     def __exit__(self, *exc: object) -> None:
