@@ -75,6 +75,25 @@ def test_compiled_steps_equal_eager_steps(pair):
             torch.testing.assert_close(got.features, want.features, rtol=1e-5, atol=1e-5)
 
 
+def test_compiled_plain_steps_record_the_positions_their_graphs_make(pair):
+    """A compiled step of tokens that follow on from the cache makes their positions in its graph
+    (KVCache.next_positions): the cache records them as an eager step does, after the pending entries too, for the
+    masks of what follows (windows go by position)."""
+    eager, compiled, _ = pair
+    caches = []
+    for target in (eager, compiled):
+        cache = target.new_cache(1, 32)
+        target(torch.tensor([PROMPT]), cache=cache, logits=False)
+        cache.commit([len(PROMPT)])
+        for token in (11, 12):  # the second after the first's pending entry
+            target(torch.tensor([[token]]), cache=cache)
+        cache.commit([2])
+        caches.append(cache)
+    width = len(PROMPT) + 2
+    assert torch.equal(caches[1].key_positions(), torch.arange(width)[None])
+    assert torch.equal(caches[1].positions, caches[0].positions)
+
+
 @pytest.mark.parametrize("family", ["llama-tied", "granite"])
 def test_compiled_steps_compute_their_logits_in_the_graph_where_the_lm_head_alone_gives_them(family, monkeypatch):
     """A model whose logits are its lm_head's output gets them from its compiled steps' graphs, with no logits call
