@@ -92,6 +92,10 @@ class KVCache(Cache):
         # the cache's attributes; flags, not layer numbers, which dynamo would make symbolic once they change)
         self.capture: tuple[bool, ...] = ()
         self._index: tuple[int, torch.Tensor, torch.Tensor] | None = None  # (n, rows, cols) of the write in progress
+        # the model whose forwards write the buffers (the first Target to run one over the cache claims it): it fixes
+        # each layer's buffer shape but the rows and columns, so a compiled step of that model checks only the first
+        # layer's buffers (target._frozen_module_guards)
+        self.owner: object | None = None
         # per layer [B, kv_heads, capacity, D], allocated at the layer's first write (its shape, dtype and device)
         self.key_buffers: list[torch.Tensor | None] = [None] * num_layers
         self.value_buffers: list[torch.Tensor | None] = [None] * num_layers

@@ -94,6 +94,26 @@ def test_compiled_plain_steps_record_the_positions_their_graphs_make(pair):
     assert torch.equal(caches[1].positions, caches[0].positions)
 
 
+def test_compiled_steps_run_only_over_caches_their_own_model_wrote(pair, monkeypatch):
+    """A compiled step checks one key and one value buffer of the cache (`_frozen_module_guards`): the rest are laid
+    out as its model's layers lay them out only where that model wrote them. A cache another model's forwards wrote
+    (`KVCache.owner`) takes eager steps, with the eager logits; the target's own caches take compiled ones."""
+    eager, compiled, _ = pair
+    calls = []
+    graph = compiled._compiled
+    monkeypatch.setattr(compiled, "_compiled", lambda *a, **kw: calls.append(1) or graph(*a, **kw))
+    for writer, expect in ((tiny_target("llama", vocab_size=VOCAB, seed=3), 0), (eager, 1)):
+        cache = writer.new_cache(1, 32)
+        writer(torch.tensor([PROMPT]), cache=cache, logits=False)
+        cache.commit([len(PROMPT)])
+        want = eager(torch.tensor([[11]]), cache=cache).logits
+        cache.rollback()
+        calls.clear()
+        got = compiled(torch.tensor([[11]]), cache=cache).logits
+        assert len(calls) == expect
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("family", ["llama-tied", "granite"])
 def test_compiled_steps_compute_their_logits_in_the_graph_where_the_lm_head_alone_gives_them(family, monkeypatch):
     """A model whose logits are its lm_head's output gets them from its compiled steps' graphs, with no logits call
