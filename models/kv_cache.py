@@ -93,8 +93,8 @@ class KVCache(Cache):
         self.capture: tuple[bool, ...] = ()
         self._index: tuple[int, torch.Tensor, torch.Tensor] | None = None  # (n, rows, cols) of the write in progress
         # the model whose forwards write the buffers (the first Target to run one over the cache claims it): it fixes
-        # each layer's buffer shape but the rows and columns, so a compiled step of that model checks only the first
-        # layer's buffers (target._frozen_module_guards)
+        # each layer's buffer shape but the rows and columns, so a compiled step of that model checks one key and one
+        # value buffer only (target._frozen_module_guards)
         self.owner: object | None = None
         # per layer [B, kv_heads, capacity, D], allocated at the layer's first write (its shape, dtype and device)
         self.key_buffers: list[torch.Tensor | None] = [None] * num_layers
@@ -174,22 +174,18 @@ class KVCache(Cache):
 
     # ---- writing ------------------------------------------------------------------------------
     @contextlib.contextmanager
-    def writing(self, position_ids: torch.Tensor | int, fixed: bool = False, keep: int | None = None,
+    def writing(self, position_ids: torch.Tensor, fixed: bool = False, keep: int | None = None,
                 capture: Sequence[int] = ()) -> Iterator[None]:
         """Bracket one forward over position_ids [B, n]: its layers write n entries per row after the pending ones,
-        and the inputs of the layers in `capture` are reported (`capture`). An int n instead: n tokens that follow
-        on from rows all as long, whose positions the forward takes from `next_positions` (a compiled step, in its
-        graph).
+        and the inputs of the layers in `capture` are reported (`capture`).
 
         fixed: a fixed-shape forward (a compiled graph replayed whatever the context): every layer attends over all
         `capacity` columns (an explicit mask hides the unused ones) and writes through column indices made here, a
         tensor, so no length enters the graph as a number. keep: only the first `keep` of the n entries stay
         pending (the rest padded the forward to its size; they lie beyond the columns in use, never seen)."""
-        n = position_ids if isinstance(position_ids, int) else position_ids.shape[1]
+        n = position_ids.shape[1]
         self.reserve(self.width + n)
-        if isinstance(position_ids, int):
-            pass  # next_positions writes them
-        elif not fixed and self.uniform is not None:
+        if not fixed and self.uniform is not None:
             start = self.uniform + self.pending
             self.positions[:, start: start + n] = position_ids
         else:
@@ -204,15 +200,6 @@ class KVCache(Cache):
             self._index = None
             self.fixed = False
             self.capture = ()
-
-    def next_positions(self, n: int) -> torch.Tensor:
-        """[B, n] the positions of n tokens that follow on from every row (all as long), recorded as those of the
-        columns they take. A compiled step makes them in its graph: as eager ops before it (a range, its expansion,
-        the record) they cost ~0.1 ms of a bf16 SmolLM2-135M step, on the caches its weight reads leave."""
-        start = self.uniform + self.pending
-        positions = torch.arange(start, start + n, device=self.positions.device).expand(self.batch, n)
-        self.positions[:, start: start + n] = positions
-        return positions
 
     def reserve(self, need: int) -> None:
         """Room for `need` columns per row: the buffers at least double when they grow (their columns kept)."""

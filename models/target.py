@@ -337,13 +337,10 @@ class Target(nn.Module):
         step = not self._checking and cache is not None and cache.layers[0].is_initialized
         compiled = step and self._compiled is not None and cache.owner is self.model
         fixed = step and self.fixed_shapes and self.verify_mode() == "tree"
-        # positions that follow on from the cache: a compiled step's graph makes them (KVCache.next_positions)
-        follow_on = position_ids is None and compiled and not fixed and allowed is None
-        if position_ids is None and not follow_on:
+        if position_ids is None:
             start = 0 if cache is None else cache.uniform + cache.pending
             position_ids = torch.arange(start, start + t, device=input_ids.device).expand(b, -1)
-        if position_ids is not None:
-            position_ids = position_ids.expand(b, t)
+        position_ids = position_ids.expand(b, t)
         mask, need = padding_mask, None
         if allowed is not None:
             if cache is None:
@@ -378,7 +375,7 @@ class Target(nn.Module):
         if compiled and logits is not False and self._head_in_graph():
             project = logits if isinstance(logits, torch.Tensor) else True
         writing = contextlib.nullcontext() if cache is None else cache.writing(
-            t if follow_on else position_ids, fixed=fixed, keep=t, capture=asked)
+            position_ids, fixed=fixed, keep=t, capture=asked)
         # a compiled step's graph holds eyas's kernels already: it only marks itself in progress
         outer, inner = (_IN_STEP, contextlib.nullcontext()) if compiled else (
             cpu_linears(self._linears, b * t), cpu_attention(self.cpu_kernels and self.device.type == "cpu", need))
@@ -776,8 +773,6 @@ class _Step(nn.Module):
         self.decoder, self.head = decoder, head
 
     def forward(self, rows: torch.Tensor | bool | None, **inputs) -> tuple[torch.Tensor, torch.Tensor | None]:
-        if inputs["position_ids"] is None:  # tokens that follow on from the cache (Target.forward)
-            inputs["position_ids"] = inputs["cache"].next_positions(inputs["input_ids"].shape[1])
         hidden = self.decoder(**inputs).last_hidden_state
         if rows is None:
             return hidden, None

@@ -75,25 +75,6 @@ def test_compiled_steps_equal_eager_steps(pair):
             torch.testing.assert_close(got.features, want.features, rtol=1e-5, atol=1e-5)
 
 
-def test_compiled_plain_steps_record_the_positions_their_graphs_make(pair):
-    """A compiled step of tokens that follow on from the cache makes their positions in its graph
-    (KVCache.next_positions): the cache records them as an eager step does, after the pending entries too, for the
-    masks of what follows (windows go by position)."""
-    eager, compiled, _ = pair
-    caches = []
-    for target in (eager, compiled):
-        cache = target.new_cache(1, 32)
-        target(torch.tensor([PROMPT]), cache=cache, logits=False)
-        cache.commit([len(PROMPT)])
-        for token in (11, 12):  # the second after the first's pending entry
-            target(torch.tensor([[token]]), cache=cache)
-        cache.commit([2])
-        caches.append(cache)
-    width = len(PROMPT) + 2
-    assert torch.equal(caches[1].key_positions(), torch.arange(width)[None])
-    assert torch.equal(caches[1].positions, caches[0].positions)
-
-
 def test_compiled_steps_run_only_over_caches_their_own_model_wrote(pair, monkeypatch):
     """A compiled step checks one key and one value buffer of the cache (`_frozen_module_guards`): the rest are laid
     out as its model's layers lay them out only where that model wrote them. A cache another model's forwards wrote
