@@ -328,17 +328,11 @@ class Target(nn.Module):
         logits: True for every position, False for none, or positions [B, K] of each row.
         """
         b, t = input_ids.shape
-        if position_ids is None and cache is not None and cache.uniform is None:
-            raise ValueError("rows of different lengths need explicit position_ids")
-        if cache is not None and cache.owner is None:
-            cache.owner = self.model
-        # compiled, fixed shapes: decode steps only (into a cache of this model's that holds tokens); a prefill's
-        # shape is new every time and runs once
-        step = not self._checking and cache is not None and cache.layers[0].is_initialized
-        compiled = step and self._compiled is not None and cache.owner is self.model
-        fixed = step and self.fixed_shapes and self.verify_mode() == "tree"
         if position_ids is None:
-            start = 0 if cache is None else cache.uniform + cache.pending
+            start = 0 if cache is None else cache.uniform
+            if start is None:
+                raise ValueError("rows of different lengths need explicit position_ids")
+            start += cache.pending if cache is not None else 0
             position_ids = torch.arange(start, start + t, device=input_ids.device).expand(b, -1)
         position_ids = position_ids.expand(b, t)
         mask, need = padding_mask, None
@@ -364,6 +358,13 @@ class Target(nn.Module):
                 raise ValueError(f"layer id {i} out of range 0..{self.num_layers}")
             if i < self.num_layers and self._compiled is None:
                 hooks.append(self._layers[i].register_forward_pre_hook(_capture(captured, i), with_kwargs=True))
+        if cache is not None and cache.owner is None:
+            cache.owner = self.model
+        # compiled, fixed shapes: decode steps only (into a cache of this model's that holds tokens); a prefill's
+        # shape is new every time and runs once
+        step = not self._checking and cache is not None and cache.layers[0].is_initialized
+        compiled = step and self._compiled is not None and cache.owner is self.model
+        fixed = step and self.fixed_shapes and self.verify_mode() == "tree"
         if fixed:
             input_ids, position_ids, allowed = self._fixed_inputs(input_ids, position_ids, cache, allowed)
             if compiled and self.device.type == "cuda":
@@ -374,8 +375,8 @@ class Target(nn.Module):
         project = None
         if compiled and logits is not False and self._head_in_graph():
             project = logits if isinstance(logits, torch.Tensor) else True
-        writing = contextlib.nullcontext() if cache is None else cache.writing(
-            position_ids, fixed=fixed, keep=t, capture=asked)
+        writing = (cache.writing(position_ids, fixed=fixed, keep=t, capture=asked) if cache is not None
+                   else contextlib.nullcontext())
         # a compiled step's graph holds eyas's kernels already: it only marks itself in progress
         outer, inner = (_IN_STEP, contextlib.nullcontext()) if compiled else (
             cpu_linears(self._linears, b * t), cpu_attention(self.cpu_kernels and self.device.type == "cpu", need))
@@ -744,10 +745,10 @@ def _frozen_module_guards(entries: Sequence) -> list[bool]:
             keep.append(False)
             continue
         if e.name.startswith(_CACHE):
-            kept = _CACHE_BUFFER.fullmatch(e.name)
-            if e.guard_type == "TENSOR_MATCH" and kept:
-                keep.append(kept[1] not in buffers)
-                buffers.add(kept[1])
+            buffer = _CACHE_BUFFER.fullmatch(e.name)
+            if e.guard_type == "TENSOR_MATCH" and buffer:
+                keep.append(buffer[1] not in buffers)
+                buffers.add(buffer[1])
                 continue
             if e.guard_type == "NOT_PRESENT_IN_GENERIC_DICT":
                 keep.append(False)
