@@ -96,6 +96,8 @@ class KVCache(Cache):
         # each layer's buffer shape but the rows and columns, so a compiled step of that model checks one key and one
         # value buffer only (target._frozen_module_guards)
         self.owner: object | None = None
+        # whether compiled steps take the capacity as a symbol (`make_capacity_symbolic`)
+        self.symbolic = False
         # per layer [B, kv_heads, capacity, D], allocated at the layer's first write (its shape, dtype and device)
         self.key_buffers: list[torch.Tensor | None] = [None] * num_layers
         self.value_buffers: list[torch.Tensor | None] = [None] * num_layers
@@ -104,8 +106,25 @@ class KVCache(Cache):
         """Buffers for `layer`, shaped after its first entries key/value_states [_, kv_heads, n, D]."""
         shape = (self.batch, key_states.shape[1], self.capacity, key_states.shape[3])
         # zeros, not empty(): columns no row may see still enter the attention with weight 0, and 0 * NaN is NaN
-        self.key_buffers[layer] = _static(key_states.new_zeros(shape))
-        self.value_buffers[layer] = _static(value_states.new_zeros(*shape[:3], value_states.shape[3]))
+        self.key_buffers[layer] = self._sized(_static(key_states.new_zeros(shape)))
+        self.value_buffers[layer] = self._sized(_static(value_states.new_zeros(*shape[:3], value_states.shape[3])))
+
+    def make_capacity_symbolic(self) -> None:
+        """Compiled steps over this cache take its capacity (the buffers' and positions' columns) as a symbol from
+        their first graph, so one graph serves caches of every capacity. Dynamo would specialise a graph to the first
+        capacity it sees and compile another at the next cache's (the next prompt's plain decoding, say). Not for
+        fixed-shape steps, whose graphs are per capacity bucket."""
+        self.symbolic = True
+        self.positions = self._sized(self.positions)
+        for i, keys, values in list(self._buffers()):
+            self.key_buffers[i], self.value_buffers[i] = self._sized(keys), self._sized(values)
+
+    def _sized(self, x: torch.Tensor) -> torch.Tensor:
+        """x [B, ..., capacity(, D)], its capacity marked as a symbol for compiled steps where `make_capacity_symbolic`
+        asked it (a mark on the tensor: each new buffer, grown or narrowed, is marked again)."""
+        if self.symbolic:
+            torch._dynamo.maybe_mark_dynamic(x, 1 if x.dim() == 2 else 2)
+        return x
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
         """key/value_states [B, kv_heads, n, D] -> layer `layer_idx`'s keys/values [B, kv_heads, width, D]
@@ -113,6 +132,9 @@ class KVCache(Cache):
         if self.key_buffers[layer_idx] is None:
             self.allocate(layer_idx, key_states, value_states)
         keys, values = self.key_buffers[layer_idx], self.value_buffers[layer_idx]
+        if self.symbolic:  # the capacity of every buffer is the positions': one symbol for a compiled step, not 61
+            torch._check(keys.shape[2] == self.positions.shape[1])
+            torch._check(values.shape[2] == self.positions.shape[1])
         n = key_states.shape[2]
         if not self.fixed and self.uniform is not None:  # (fixed: no row length is read, none enters the graph)
             start = self.uniform + self.pending
@@ -174,18 +196,22 @@ class KVCache(Cache):
 
     # ---- writing ------------------------------------------------------------------------------
     @contextlib.contextmanager
-    def writing(self, position_ids: torch.Tensor, fixed: bool = False, keep: int | None = None,
+    def writing(self, position_ids: torch.Tensor | int, fixed: bool = False, keep: int | None = None,
                 capture: Sequence[int] = ()) -> Iterator[None]:
         """Bracket one forward over position_ids [B, n]: its layers write n entries per row after the pending ones,
-        and the inputs of the layers in `capture` are reported (`capture`).
+        and the inputs of the layers in `capture` are reported (`capture`). An int n instead: n tokens that follow
+        on from rows all as long, whose positions the forward takes from `next_positions` (a compiled step, in its
+        graph).
 
         fixed: a fixed-shape forward (a compiled graph replayed whatever the context): every layer attends over all
         `capacity` columns (an explicit mask hides the unused ones) and writes through column indices made here, a
         tensor, so no length enters the graph as a number. keep: only the first `keep` of the n entries stay
         pending (the rest padded the forward to its size; they lie beyond the columns in use, never seen)."""
-        n = position_ids.shape[1]
+        n = position_ids if isinstance(position_ids, int) else position_ids.shape[1]
         self.reserve(self.width + n)
-        if not fixed and self.uniform is not None:
+        if isinstance(position_ids, int):
+            pass  # next_positions writes them
+        elif not fixed and self.uniform is not None:
             start = self.uniform + self.pending
             self.positions[:, start: start + n] = position_ids
         else:
@@ -201,6 +227,15 @@ class KVCache(Cache):
             self.fixed = False
             self.capture = ()
 
+    def next_positions(self, n: int) -> torch.Tensor:
+        """[B, n] the positions of n tokens that follow on from every row (all as long), recorded as those of the
+        columns they take. A compiled step makes them in its graph: as eager ops before it (a range, its expansion,
+        the record) they cost ~0.1 ms of a bf16 SmolLM2-135M step, on the caches its weight reads leave."""
+        start = self.uniform + self.pending
+        positions = torch.arange(start, start + n, device=self.positions.device).expand(self.batch, n)
+        self.positions[:, start: start + n] = positions
+        return positions
+
     def reserve(self, need: int) -> None:
         """Room for `need` columns per row: the buffers at least double when they grow (their columns kept)."""
         if need <= self.capacity:
@@ -208,9 +243,10 @@ class KVCache(Cache):
         capacity = max(need, 2 * self.capacity)
         grown = self.positions.new_zeros(self.batch, capacity)
         grown[:, : self.capacity] = self.positions
-        self.positions, self.capacity = grown, capacity
+        self.positions, self.capacity = self._sized(grown), capacity
         for i, keys, values in list(self._buffers()):
-            self.key_buffers[i], self.value_buffers[i] = _widened(keys, capacity), _widened(values, capacity)
+            self.key_buffers[i] = self._sized(_widened(keys, capacity))
+            self.value_buffers[i] = self._sized(_widened(values, capacity))
 
     def commit(self, counts: Sequence[int], index: torch.Tensor | None = None) -> None:
         """Row b keeps counts[b] pending entries: index[b, :counts[b]] (ascending indices into the pending block,
@@ -248,8 +284,8 @@ class KVCache(Cache):
                 keys[hole, :, :width] = keys[row, :, :width]
                 values[hole, :, :width] = values[row, :, :width]
         for i, keys, values in list(self._buffers()):
-            self.key_buffers[i], self.value_buffers[i] = keys[:n], values[:n]
-        self.positions = self.positions[:n]
+            self.key_buffers[i], self.value_buffers[i] = self._sized(keys[:n]), self._sized(values[:n])
+        self.positions = self._sized(self.positions[:n])
         self.lengths = self.lengths[torch.tensor(order, device=self.lengths.device)]
         self.host_lengths = [self.host_lengths[r] for r in order]
         return order

@@ -328,13 +328,12 @@ class Target(nn.Module):
         logits: True for every position, False for none, or positions [B, K] of each row.
         """
         b, t = input_ids.shape
+        start = None  # where tokens without explicit positions begin
         if position_ids is None:
             start = 0 if cache is None else cache.uniform
             if start is None:
                 raise ValueError("rows of different lengths need explicit position_ids")
             start += cache.pending if cache is not None else 0
-            position_ids = torch.arange(start, start + t, device=input_ids.device).expand(b, -1)
-        position_ids = position_ids.expand(b, t)
         mask, need = padding_mask, None
         if allowed is not None:
             if cache is None:
@@ -360,11 +359,19 @@ class Target(nn.Module):
                 hooks.append(self._layers[i].register_forward_pre_hook(_capture(captured, i), with_kwargs=True))
         if cache is not None and cache.owner is None:
             cache.owner = self.model
+            if self._compiled is not None and not self.fixed_shapes:
+                cache.make_capacity_symbolic()  # one graph for caches of every capacity
         # compiled, fixed shapes: decode steps only (into a cache of this model's that holds tokens); a prefill's
         # shape is new every time and runs once
         step = not self._checking and cache is not None and cache.layers[0].is_initialized
         compiled = step and self._compiled is not None and cache.owner is self.model
         fixed = step and self.fixed_shapes and self.verify_mode() == "tree"
+        # positions that follow on from the cache: a compiled step's graph makes them (KVCache.next_positions)
+        follow_on = start is not None and compiled and not fixed and allowed is None
+        if start is not None and not follow_on:
+            position_ids = torch.arange(start, start + t, device=input_ids.device).expand(b, -1)
+        if position_ids is not None:
+            position_ids = position_ids.expand(b, t)
         if fixed:
             input_ids, position_ids, allowed = self._fixed_inputs(input_ids, position_ids, cache, allowed)
             if compiled and self.device.type == "cuda":
@@ -375,8 +382,8 @@ class Target(nn.Module):
         project = None
         if compiled and logits is not False and self._head_in_graph():
             project = logits if isinstance(logits, torch.Tensor) else True
-        writing = (cache.writing(position_ids, fixed=fixed, keep=t, capture=asked) if cache is not None
-                   else contextlib.nullcontext())
+        writing = contextlib.nullcontext() if cache is None else cache.writing(
+            t if follow_on else position_ids, fixed=fixed, keep=t, capture=asked)
         # a compiled step's graph holds eyas's kernels already: it only marks itself in progress
         outer, inner = (_IN_STEP, contextlib.nullcontext()) if compiled else (
             cpu_linears(self._linears, b * t), cpu_attention(self.cpu_kernels and self.device.type == "cpu", need))
@@ -774,6 +781,8 @@ class _Step(nn.Module):
         self.decoder, self.head = decoder, head
 
     def forward(self, rows: torch.Tensor | bool | None, **inputs) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if inputs["position_ids"] is None:  # tokens that follow on from the cache (Target.forward)
+            inputs["position_ids"] = inputs["cache"].next_positions(inputs["input_ids"].shape[1])
         hidden = self.decoder(**inputs).last_hidden_state
         if rows is None:
             return hidden, None

@@ -75,6 +75,25 @@ def test_compiled_steps_equal_eager_steps(pair):
             torch.testing.assert_close(got.features, want.features, rtol=1e-5, atol=1e-5)
 
 
+def test_compiled_plain_steps_record_the_positions_their_graphs_make(pair):
+    """A compiled step of tokens that follow on from the cache makes their positions in its graph
+    (KVCache.next_positions): the cache records them as an eager step does, after the pending entries too, for the
+    masks of what follows (windows go by position)."""
+    eager, compiled, _ = pair
+    caches = []
+    for target in (eager, compiled):
+        cache = target.new_cache(1, 32)
+        target(torch.tensor([PROMPT]), cache=cache, logits=False)
+        cache.commit([len(PROMPT)])
+        for token in (11, 12):  # the second after the first's pending entry
+            target(torch.tensor([[token]]), cache=cache)
+        cache.commit([2])
+        caches.append(cache)
+    width = len(PROMPT) + 2
+    assert torch.equal(caches[1].key_positions(), torch.arange(width)[None])
+    assert torch.equal(caches[1].positions, caches[0].positions)
+
+
 def test_compiled_steps_run_only_over_caches_their_own_model_wrote(pair, monkeypatch):
     """A compiled step checks one key and one value buffer of the cache (`_frozen_module_guards`): the rest are laid
     out as its model's layers lay them out only where that model wrote them. A cache another model's forwards wrote
@@ -356,6 +375,35 @@ for target in (eager, Target(eager.model, eager.tokenizer, eager.name_or_path, c
 torch.testing.assert_close(logits[1], logits[0], rtol=1e-4, atol=1e-4)
 print("cache", counters["inductor"]["fxgraph_cache_hit"], counters["inductor"]["fxgraph_cache_miss"])
 """
+
+
+_OTHER_CAPACITY = """
+import torch
+from torch._dynamo.utils import counters
+from eyas.inference.bench import plain_decode
+from eyas.models.sampling import Sampling
+from eyas.models.target import Target
+from tests.helpers.tiny import tiny_target
+eager = tiny_target("llama", vocab_size=16)
+compiled = Target(eager.model, eager.tokenizer, eager.name_or_path, compile=True)
+plain_decode(compiled, [1, 2, 3, 4, 5], 6, [], Sampling(0.0), 0)  # the warm-up: caches of one capacity only
+graphs = counters["stats"]["unique_graphs"]
+greedy = Sampling(0.0)
+for prompt in ([1, 2, 3], list(range(1, 12))):
+    assert plain_decode(compiled, prompt, 6, [], greedy, 0) == plain_decode(eager, prompt, 6, [], greedy, 0)
+print("graphs", graphs, counters["stats"]["unique_graphs"] - graphs)
+"""
+
+
+def test_plain_decoding_compiles_nothing_for_a_cache_of_another_capacity():
+    """Compiled plain steps warmed up over caches of one capacity compile no graph for the next prompt's cache of
+    another (a benchmark's timed runs would include it): the capacity is a symbol from the first graph
+    (KVCache.make_capacity_symbolic). A process of its own: dynamo remembers, per code, the sizes it has seen change."""
+    run = subprocess.run([sys.executable, "-c", _OTHER_CAPACITY], capture_output=True, text=True, timeout=600,
+                         cwd=Path(__file__).parents[2])
+    assert run.returncode == 0, run.stderr[-3000:]
+    warm, new = (int(n) for n in run.stdout.split("graphs")[-1].split())
+    assert warm > 0 and new == 0, (warm, new)
 
 
 def test_a_later_process_takes_compiled_steps_from_inductors_cache(tmp_path):
