@@ -132,7 +132,7 @@ class KVCache(Cache):
         if self.key_buffers[layer_idx] is None:
             self.allocate(layer_idx, key_states, value_states)
         keys, values = self.key_buffers[layer_idx], self.value_buffers[layer_idx]
-        if self.symbolic:  # the capacity of every buffer is the positions': one symbol for a compiled step, not 61
+        if self.symbolic:  # every buffer's capacity is the positions': one symbol for a compiled step, not one each
             torch._check(keys.shape[2] == self.positions.shape[1])
             torch._check(values.shape[2] == self.positions.shape[1])
         n = key_states.shape[2]
@@ -209,14 +209,13 @@ class KVCache(Cache):
         pending (the rest padded the forward to its size; they lie beyond the columns in use, never seen)."""
         n = position_ids if isinstance(position_ids, int) else position_ids.shape[1]
         self.reserve(self.width + n)
-        if isinstance(position_ids, int):
-            pass  # next_positions writes them
-        elif not fixed and self.uniform is not None:
-            start = self.uniform + self.pending
-            self.positions[:, start: start + n] = position_ids
-        else:
-            rows, cols = self.write_index(n, self.positions.device)
-            self.positions[rows, cols] = position_ids.to(self.positions.device)
+        if isinstance(position_ids, torch.Tensor):  # (an int: `next_positions` records them)
+            if not fixed and self.uniform is not None:
+                start = self.uniform + self.pending
+                self.positions[:, start: start + n] = position_ids
+            else:
+                rows, cols = self.write_index(n, self.positions.device)
+                self.positions[rows, cols] = position_ids.to(self.positions.device)
         self.fixed = fixed
         self.capture = tuple(i in capture for i in range(len(self.layers)))
         try:
