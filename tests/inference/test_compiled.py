@@ -386,9 +386,9 @@ from eyas.models.target import Target
 from tests.helpers.tiny import tiny_target
 eager = tiny_target("llama", vocab_size=16)
 compiled = Target(eager.model, eager.tokenizer, eager.name_or_path, compile=True)
-plain_decode(compiled, [1, 2, 3, 4, 5], 6, [], Sampling(0.0), 0)  # the warm-up: caches of one capacity only
-graphs = counters["stats"]["unique_graphs"]
 greedy = Sampling(0.0)
+plain_decode(compiled, [1, 2, 3, 4, 5], 6, [], greedy, 0)  # the warm-up: caches of one capacity only
+graphs = counters["stats"]["unique_graphs"]
 for prompt in ([1, 2, 3], list(range(1, 12))):
     assert plain_decode(compiled, prompt, 6, [], greedy, 0) == plain_decode(eager, prompt, 6, [], greedy, 0)
 print("graphs", graphs, counters["stats"]["unique_graphs"] - graphs)
