@@ -150,3 +150,26 @@ def test_draft_vocab_can_be_counted_on_another_source(tmp_path, caplog):
     ids = set(target.tokenizer.convert_tokens_to_ids(words))
     assert ids <= set(draft.tolist())  # every token the other source trains on is in the vocab
     assert torch.equal(load_head(tmp_path / "run" / "head").draft_to_target, draft)
+
+
+def test_checkpoint_folder_is_finished_only_after_every_rank_has_saved(tmp_path, monkeypatch):
+    """The main process finishes the checkpoint folder (the head, trainer.json, the rename into place) only after a
+    barrier that follows every rank's save_state: a rank still writing its shards into the folder as it moved would
+    fail the save."""
+    events = []
+
+    class Accelerator:  # the main process of a run of several
+        is_main_process = True
+
+        def wait_for_everyone(self):
+            events.append("barrier")
+
+        def save_state(self, path):
+            os.makedirs(path)
+            events.append("save_state")
+
+    monkeypatch.setattr(checkpoint, "write_head", lambda *args: events.append("write_head"))
+    final = checkpoint.save_checkpoint(Accelerator(), None, {}, None, {"step": 5}, tmp_path, keep=2)
+    assert final.is_dir() and (final / checkpoint.TRAINER).is_file()
+    saved = events.index("save_state")
+    assert "barrier" in events[saved:events.index("write_head")], events
