@@ -63,9 +63,10 @@ def save_checkpoint(accelerator, model, head_state: dict[str, Any] | None, head_
         tmp.mkdir(parents=True)
     accelerator.wait_for_everyone()
     accelerator.save_state(str(tmp / STATE))
-    # every rank's part of the state is written before the main process finishes the folder and renames it: DeepSpeed
-    # saves each rank's optimizer shard without waiting for the others, and a rank still writing into the folder as it
-    # moved failed the save (seen as a lost connection at the next barrier in a 2-process ZeRO-2 run)
+    # every rank's part of the state is written before the main process finishes the folder and renames it: save_state
+    # writes each rank's files (its RNG state; under DeepSpeed its optimizer shard) without waiting for the others, and
+    # a rank still writing into the folder as it moved failed the save (a lost connection at the next barrier, seen in
+    # a 2-process ZeRO-2 run)
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
         write_head(head_state, head_config, tmp / HEAD, {"step": trainer_state["step"]})
