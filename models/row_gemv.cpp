@@ -173,7 +173,16 @@ struct Dot<uint16_t> {  // bf16
 // other: a 2-core Zen 4 EPYC reads a SmolLM2-135M step's bf16 products 1.06x (at 35 GB/s) to 1.15x (at 53 GB/s)
 // faster as four streams 640 B ahead than as eight 1280 B ahead (benchmarks/kernel_variants.py).
 constexpr int64_t kStreams = 4;
-constexpr int64_t kAhead = 640;           // bytes prefetched ahead of each stream (into L2)
+constexpr int64_t kAhead = 640;           // bytes prefetched ahead of each stream
+// How the first pass prefetches (its rows are read once a step). Non-temporal on the AVX2 build: a 2-core Zen 3 EPYC
+// ran compiled steps 1.012-1.019x faster in bf16 and 1.012x in fp32 than with T1 prefetches (in-step A/Bs), the
+// products alone at the same rate. Into L2 on the AVX-512 builds: a 2-core Zen 4 EPYC ran a bf16 step 0.918x as fast
+// with non-temporal prefetches, measured on an earlier version of this kernel (docs/design/cpu-kernels.md).
+#if defined(__AVX512F__)
+constexpr auto kFirstPassHint = _MM_HINT_T1;
+#else
+constexpr auto kFirstPassHint = _MM_HINT_NTA;
+#endif
 constexpr int64_t kChunkBytes = 1 << 16;  // the least weight bytes one thread takes, so small weights stay on one
 // The most input rows the kernel takes: past a few dozen a product is no longer a read of the weights, and torch's
 // blocked GEMMs win; a call with more (a graph whose row count varies) hands them to at::linear.
@@ -198,7 +207,7 @@ inline void dots(const T* const* w, const T* x, int64_t K, int64_t n_, float* ou
   for (; k + D::lanes <= K; k += D::lanes) {
     for (int64_t r = 0; r < R; ++r) xv[r] = D::load_x(x + r * K + k);
     for (int64_t s = 0; s < n; ++s) {
-      if constexpr (P == kThis) _mm_prefetch(reinterpret_cast<const char*>(w[s] + k) + kAhead, _MM_HINT_T1);
+      if constexpr (P == kThis) _mm_prefetch(reinterpret_cast<const char*>(w[s] + k) + kAhead, kFirstPassHint);
       if constexpr (P == kNext) _mm_prefetch(reinterpret_cast<const char*>(w[s] + K + k), _MM_HINT_T1);
       const auto wv = D::load_w(w[s] + k);
       for (int64_t r = 0; r < R; ++r) D::fma(acc[r][s], wv, xv[r]);
