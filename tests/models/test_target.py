@@ -4,6 +4,7 @@ import torch
 from eyas.models import Target, row_gemv
 from eyas.models.masks import after_history, causal
 from tests.helpers.families import POST_PROCESSING, family_target
+from tests.helpers.machine import skip_unless_runs_bf16_units
 from tests.helpers.stored import FP32_NOISE
 from tests.helpers.tiny import FIXTURES, tiny_target, tiny_tokenizer
 
@@ -154,6 +155,7 @@ def test_bf16_linears_take_eyas_kernels_only_where_they_pay(monkeypatch, request
     them the prepacked product runs with native bf16, the module without."""
     from eyas.models.cpu_kernels import kernel_rows, native_bf16
 
+    skip_unless_runs_bf16_units(capabilities)
     monkeypatch.setattr(torch.cpu, "get_capabilities", lambda: capabilities)
     native_bf16.cache_clear()
     request.addfinalizer(native_bf16.cache_clear)
