@@ -155,10 +155,10 @@ def test_bf16_linears_take_eyas_kernels_only_where_they_pay(monkeypatch, request
     them the prepacked product runs with native bf16, the module without."""
     from eyas.models.cpu_kernels import kernel_rows, native_bf16
 
-    skip_unless_runs_bf16_units(capabilities)
     monkeypatch.setattr(torch.cpu, "get_capabilities", lambda: capabilities)
     native_bf16.cache_clear()
     request.addfinalizer(native_bf16.cache_clear)
+    skip_unless_runs_bf16_units()
     native = "avx512_bf16" in capabilities
     most = 1 if "amx_bf16" in capabilities else 16 if native else row_gemv.MAX_ROWS
     assert kernel_rows(torch.bfloat16) == most
