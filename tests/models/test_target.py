@@ -152,7 +152,7 @@ def test_bf16_linears_take_eyas_kernels_only_where_they_pay(monkeypatch, request
     the weight far below the bandwidth), else oneDNN's prepacked product on a CPU with native bf16. Several rows run
     the row kernel up to the rows it is the faster product of on the CPU (`kernel_rows`): all it takes without bf16
     units (torch emulates bf16 products there), 16 with AVX512-BF16; none with AMX, whose tiles take them. Past
-    them the prepacked product runs with native bf16, the module without."""
+    them the prepacked product runs with native bf16; without, the product in fp32 (torch's bf16 one is emulated)."""
     from eyas.models.cpu_kernels import kernel_rows, native_bf16
 
     monkeypatch.setattr(torch.cpu, "get_capabilities", lambda: capabilities)
@@ -167,15 +167,17 @@ def test_bf16_linears_take_eyas_kernels_only_where_they_pay(monkeypatch, request
     lin = target.logit_projection
     row_kernel = packing and row_gemv.available()
 
-    def runs_row_kernel(rows: int) -> bool:
+    def runs(rows: int, name: str) -> bool:
         kernel = lin.kernel(rows)
-        return kernel is not None and kernel.func.__name__ == "_through_row_kernel"
+        return kernel is not None and kernel.func.__name__ == name
 
     assert (lin.kernel(1) is not None) == (packing and (native or row_gemv.available()))
     for rows in (3, most, most + 1):
-        assert runs_row_kernel(rows) == (row_kernel and rows <= most), rows
-        assert (lin.kernel(rows) is not None) == (packing and native or runs_row_kernel(rows)), rows
-    for rows in (1, 3):
+        assert runs(rows, "_through_row_kernel") == (row_kernel and rows <= most), rows
+        in_fp32 = packing and not native and rows > row_gemv.MAX_ROWS
+        assert runs(rows, "_bf16_in_fp32") == in_fp32, rows
+        assert (lin.kernel(rows) is not None) == (packing and native or runs(rows, "_through_row_kernel") or in_fp32)
+    for rows in (1, 3, most + 1):
         h = torch.randn(1, rows, target.hidden_size, dtype=torch.bfloat16)
         # bf16 products accumulate in fp32 either way; they may round the last bit differently
         torch.testing.assert_close(target.logit_projection(h).float(), target.lm_head(h).float(), rtol=2 ** -7,
